@@ -1,0 +1,328 @@
+"""The config space of the GEMM kernel pool, per architecture.
+
+One frozen dataclass describes a kernel variant; `validate` is the single place
+that decides whether a variant may exist at all (shared memory, TMEM, register,
+cluster and tile rules), and `check_problem` whether a valid variant can run a
+given problem (alignment, split-K divisibility). Invalid variants never reach
+the compiler: the search sees them as pruned, not as slow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import asdict, dataclass, fields
+from typing import Iterator
+
+ARCHS = ("sm90", "sm100")
+SCHEDULERS = ("single_tile", "static_persistent", "dynamic_persistent", "clc")
+RASTERS = ("m", "n")
+
+# Bytes of one element, for the dtypes the pool accepts in and out.
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPES_IN = ("bf16", "fp16")
+DTYPES_OUT = ("bf16", "fp16", "fp32")
+# "tn": B stored (N, K), K-major, as nn.Linear keeps its weight (x @ W.T).
+# "nn": B stored (K, N), N-major (a @ b). A is always (M, K) row-major.
+LAYOUTS = ("tn", "nn")
+
+# K extent of one mainloop stage: 64 16-bit elements = one 128-byte swizzle row.
+TILE_K = 64
+
+# Shared memory a CTA may use (bytes). H100: 227 KB per block opt-in
+# (CUDA C Programming Guide, compute capability 9.0); B200: 228 KB per SM,
+# 227 KB per block (compute capability 10.0).
+SMEM_BYTES = {"sm90": 232448, "sm100": 232448}
+# Reserved for mbarriers, the scheduler's smem ring and the CLC response.
+SMEM_RESERVED = 1024
+# The epilogue stages the output through smem in 32-column sub-tiles, two
+# buffers deep, sized for the widest output dtype (fp32).
+EPI_SUBTILE_N = 32
+EPI_BUFFERS = 2
+# Tensor memory on sm100: 512 columns of 32-bit cells per SM (128 lanes).
+TMEM_COLUMNS = 512
+# Accumulator registers one consumer thread may hold on sm90 (fp32 values);
+# beyond this the consumer warpgroups spill even with setmaxnreg 240.
+SM90_MAX_ACC_PER_THREAD = 128
+# Largest cluster: 8 CTAs is portable, 16 needs the non-portable attribute.
+MAX_CLUSTER = {"sm90": 4, "sm100": 16}
+
+_KNOBS = {
+    "sm90": {
+        "scheduler": SCHEDULERS[:3],
+        "tile_m": (64, 128, 256),
+        "tile_n": (64, 96, 128, 160, 192, 256),
+        "cluster_m": (1, 2),
+        "cluster_n": (1, 2),
+        "stages": (2, 3, 4, 5, 6, 7, 8),
+        "swizzle": (1, 2, 4, 8),
+        "raster": RASTERS,
+        "sched_depth": (1, 2, 3),
+        "tail_cancel": (False,),
+        "split_k": (1, 2, 4, 8),
+        "cta_group": (1,),
+        "acc_stages": (1,),
+    },
+    "sm100": {
+        "scheduler": SCHEDULERS,
+        "tile_m": (64, 128, 256),
+        "tile_n": (32, 64, 96, 128, 160, 192, 224, 256),
+        "cluster_m": (1, 2, 4),
+        "cluster_n": (1, 2, 4),
+        "stages": (2, 3, 4, 5, 6, 7, 8),
+        "swizzle": (1, 2, 4, 8),
+        "raster": RASTERS,
+        "sched_depth": (1, 2, 3),
+        "tail_cancel": (False, True),
+        "split_k": (1, 2, 4, 8),
+        "cta_group": (1, 2),
+        "acc_stages": (1, 2, 4),
+    },
+}
+
+
+class InvalidConfig(ValueError):
+    """A config the pool cannot build, or cannot run on a given problem."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One kernel variant of the pool.
+
+    tile_m x tile_n is the MMA tile: on sm90 the CTA tile (64 rows per
+    consumer warpgroup, 256 = two warpgroups of 128), on sm100 the tcgen05
+    tile, which spans two CTAs when cta_group == 2.
+    sched_depth is the prefetch depth of the atomic scheduler or the CLC
+    pipeline depth; it is 1 for schedulers that claim nothing.
+    """
+
+    arch: str = "sm90"
+    scheduler: str = "static_persistent"
+    tile_m: int = 128
+    tile_n: int = 128
+    cluster_m: int = 1
+    cluster_n: int = 1
+    stages: int = 4
+    swizzle: int = 1
+    raster: str = "m"
+    sched_depth: int = 1
+    tail_cancel: bool = False
+    split_k: int = 1
+    cta_group: int = 1
+    acc_stages: int = 1
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
+
+    @property
+    def persistent(self) -> bool:
+        return self.scheduler != "single_tile"
+
+    @property
+    def dynamic(self) -> bool:
+        return self.scheduler in ("dynamic_persistent", "clc")
+
+    @property
+    def cta_tile_m(self) -> int:
+        """Rows of the output tile one CTA owns."""
+        return self.tile_m // self.cta_group
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """Output rows and columns one cluster covers per work tile."""
+        return (self.cta_tile_m * self.cluster_m, self.tile_n * self.cluster_n)
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return 1 if self.tile_m == 64 else 2
+
+    def smem_bytes(self) -> int:
+        return smem_bytes(self)
+
+    def name(self) -> str:
+        """Stable, readable id: used for compile-cache entries and in tables."""
+        parts = [
+            self.arch,
+            self.scheduler,
+            f"t{self.tile_m}x{self.tile_n}",
+            f"c{self.cluster_m}x{self.cluster_n}",
+            f"s{self.stages}",
+            f"w{self.swizzle}{self.raster}",
+        ]
+        if self.dynamic:
+            parts.append(f"d{self.sched_depth}")
+        if self.tail_cancel:
+            parts.append("tc")
+        if self.split_k > 1:
+            parts.append(f"k{self.split_k}")
+        if self.arch == "sm100":
+            parts.append(f"g{self.cta_group}a{self.acc_stages}")
+        return "-".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GemmConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidConfig(f"unknown config fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+def smem_bytes(cfg: GemmConfig, dtype_in: str = "bf16") -> int:
+    """Shared memory one CTA of `cfg` needs: the A/B ring, epilogue buffers, barriers."""
+    elem = DTYPE_BYTES[dtype_in]
+    # With the 2-CTA MMA each CTA of the pair loads half of the A and B tiles.
+    a_rows = cfg.tile_m // cfg.cta_group
+    b_rows = cfg.tile_n // cfg.cta_group
+    stage = (a_rows + b_rows) * TILE_K * elem
+    epilogue = cfg.cta_tile_m * EPI_SUBTILE_N * DTYPE_BYTES["fp32"] * EPI_BUFFERS
+    return cfg.stages * stage + epilogue + SMEM_RESERVED
+
+
+def knobs(arch: str) -> dict[str, tuple]:
+    """Every knob of `arch` with its candidate values (for samplers)."""
+    if arch not in _KNOBS:
+        raise InvalidConfig(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    return dict(_KNOBS[arch])
+
+
+def validate(cfg: GemmConfig) -> None:
+    """Raise InvalidConfig naming the first rule `cfg` breaks."""
+    if cfg.arch not in ARCHS:
+        raise InvalidConfig(f"unknown arch {cfg.arch!r}; expected one of {ARCHS}")
+    for name, choices in _KNOBS[cfg.arch].items():
+        value = getattr(cfg, name)
+        if value not in choices:
+            raise InvalidConfig(f"{name}={value!r} is not one of {choices} on {cfg.arch}")
+
+    # Knobs that do not apply must sit at their neutral value, so that one
+    # kernel has exactly one config (no duplicates for the search to time).
+    if not cfg.dynamic and cfg.sched_depth != 1:
+        raise InvalidConfig(f"sched_depth applies to dynamic schedulers only, not {cfg.scheduler}")
+    if cfg.tail_cancel and cfg.scheduler != "clc":
+        raise InvalidConfig("tail_cancel applies to the clc scheduler only")
+    if cfg.swizzle > 1 and cfg.scheduler == "single_tile":
+        raise InvalidConfig("swizzle groups tiles of a persistent walk; single_tile has none")
+    if cfg.split_k > 1 and cfg.tile_m > 128:
+        raise InvalidConfig("split-K is for small-M keys: tile_m must be 64 or 128")
+
+    if cfg.cluster_size > MAX_CLUSTER[cfg.arch]:
+        raise InvalidConfig(
+            f"cluster {cfg.cluster_m}x{cfg.cluster_n} exceeds {MAX_CLUSTER[cfg.arch]} CTAs on {cfg.arch}"
+        )
+
+    if cfg.arch == "sm90":
+        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.consumer_warpgroups)
+        if acc_per_thread > SM90_MAX_ACC_PER_THREAD:
+            raise InvalidConfig(
+                f"tile {cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator registers "
+                f"per consumer thread (max {SM90_MAX_ACC_PER_THREAD})"
+            )
+    else:
+        if cfg.cta_group == 1 and cfg.tile_m not in (64, 128):
+            raise InvalidConfig(f"1-CTA tcgen05 MMA takes tile_m 64 or 128, not {cfg.tile_m}")
+        if cfg.cta_group == 2 and cfg.tile_m not in (128, 256):
+            raise InvalidConfig(f"2-CTA tcgen05 MMA takes tile_m 128 or 256, not {cfg.tile_m}")
+        if cfg.cta_group == 2 and cfg.cluster_m % 2:
+            raise InvalidConfig("2-CTA MMA needs an even cluster_m")
+        if cfg.tile_m == 64 and cfg.tile_n % 8 or cfg.tile_m > 64 and cfg.tile_n % 16:
+            raise InvalidConfig(f"tcgen05 MMA with M={cfg.tile_m} cannot take N={cfg.tile_n}")
+        columns = cfg.acc_stages * cfg.tile_n
+        if columns > TMEM_COLUMNS:
+            raise InvalidConfig(
+                f"{cfg.acc_stages} accumulator stages of {cfg.tile_n} columns need {columns} "
+                f"TMEM columns (max {TMEM_COLUMNS})"
+            )
+
+    need = smem_bytes(cfg)
+    if need > SMEM_BYTES[cfg.arch]:
+        raise InvalidConfig(
+            f"{cfg.stages} stages of {cfg.tile_m}x{cfg.tile_n} need {need} bytes of shared memory "
+            f"(max {SMEM_BYTES[cfg.arch]})"
+        )
+
+
+def is_valid(cfg_fields: dict) -> bool:
+    try:
+        GemmConfig(**cfg_fields)
+    except InvalidConfig:
+        return False
+    return True
+
+
+def check_problem(
+    cfg: GemmConfig, m: int, n: int, k: int, groups: int = 1,
+    dtype_in: str = "bf16", dtype_out: str = "bf16", layout: str = "tn",
+) -> None:
+    """Raise InvalidConfig if `cfg` cannot run this problem (the can_implement check)."""
+    check_operands(m, n, k, groups, dtype_in, dtype_out, layout)
+    if cfg.split_k > 1:
+        if groups > 1:
+            raise InvalidConfig("split-K is not combined with grouped GEMM")
+        if k % (cfg.split_k * 8):
+            raise InvalidConfig(f"K={k} does not split into {cfg.split_k} 16-byte aligned slices")
+        if k // cfg.split_k < TILE_K:
+            raise InvalidConfig(f"K={k} split {cfg.split_k} ways leaves slices under one k-block")
+
+
+def check_operands(
+    m: int, n: int, k: int, groups: int, dtype_in: str, dtype_out: str, layout: str,
+) -> None:
+    """Problem rules that hold for every kernel of the pool (TMA needs 16-byte strides)."""
+    for name, value in (("M", m), ("N", n), ("K", k), ("groups", groups)):
+        if value < 1:
+            raise InvalidConfig(f"{name} must be positive, got {value}")
+    if dtype_in not in DTYPES_IN:
+        raise InvalidConfig(f"unknown input dtype {dtype_in!r}; expected one of {DTYPES_IN}")
+    if dtype_out not in DTYPES_OUT:
+        raise InvalidConfig(f"unknown output dtype {dtype_out!r}; expected one of {DTYPES_OUT}")
+    if layout not in LAYOUTS:
+        raise InvalidConfig(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    per_16_bytes = 16 // DTYPE_BYTES[dtype_in]
+    if k % per_16_bytes:
+        raise InvalidConfig(f"K={k} must be a multiple of {per_16_bytes} for {dtype_in} (16-byte rows)")
+    if layout == "nn" and n % per_16_bytes:
+        raise InvalidConfig(f"N={n} must be a multiple of {per_16_bytes} for an N-major {dtype_in} B")
+    out_per_16 = 16 // DTYPE_BYTES[dtype_out]
+    if n % out_per_16:
+        raise InvalidConfig(f"N={n} must be a multiple of {out_per_16} for a {dtype_out} output")
+
+
+def enumerate_configs(arch: str) -> Iterator[GemmConfig]:
+    """Every valid config of `arch`, in a fixed order."""
+    space = knobs(arch)
+    names = list(space)
+    for values in itertools.product(*(space[n] for n in names)):
+        fields_ = dict(zip(names, values, strict=True))
+        fields_["arch"] = arch
+        if is_valid(fields_):
+            yield GemmConfig(**fields_)
+
+
+def sample(arch: str, rng: random.Random) -> GemmConfig:
+    """A uniformly drawn valid config of `arch` (rejection sampling over the knobs)."""
+    space = knobs(arch)
+    while True:
+        fields_ = {name: rng.choice(choices) for name, choices in space.items()}
+        fields_["arch"] = arch
+        if is_valid(fields_):
+            return GemmConfig(**fields_)
+
+
+def defaults(arch: str) -> dict[str, GemmConfig]:
+    """A sound starting config per scheduler of `arch` (seeds every search)."""
+    base = dict(arch=arch, tile_m=128, tile_n=128, stages=4)
+    if arch == "sm100":
+        base.update(tile_m=256, tile_n=128, cluster_m=2, cta_group=2, acc_stages=2)
+    out = {}
+    for sched in knobs(arch)["scheduler"]:
+        extra = {"swizzle": 1} if sched == "single_tile" else {"swizzle": 4}
+        out[sched] = GemmConfig(scheduler=sched, **base, **extra)
+    return out

@@ -1,0 +1,82 @@
+"""The tuning key: what a winner is stored and looked up by."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from kernels.space import check_operands
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A GEMM shape as a shape file or a call site states it, device not yet known.
+
+    groups > 1 is a grouped GEMM. With `group_k` empty it is the MoE form
+    (A of total M rows split into `groups`, every group sharing N and K); with
+    `group_k` set it is seed 000's form, G problems of M x N with their own K
+    (`k` is then the largest). `carveout` is the number of SMs another kernel
+    holds while this GEMM runs (seed 003's scenario).
+    """
+
+    m: int
+    n: int
+    k: int
+    groups: int = 1
+    dtype_in: str = "bf16"
+    dtype_out: str = "bf16"
+    layout: str = "tn"
+    group_k: tuple[int, ...] = ()
+    carveout: int = 0
+
+    def __post_init__(self) -> None:
+        check_operands(self.m, self.n, self.k, self.groups, self.dtype_in, self.dtype_out, self.layout)
+        if self.group_k:
+            if len(self.group_k) != self.groups:
+                raise ValueError(f"{len(self.group_k)} per-group K values for {self.groups} groups")
+            for gk in self.group_k:
+                check_operands(self.m, self.n, gk, 1, self.dtype_in, self.dtype_out, self.layout)
+            if self.k != max(self.group_k):
+                raise ValueError("k must be the largest per-group K")
+        if self.carveout < 0:
+            raise ValueError(f"carveout must be >= 0, got {self.carveout}")
+
+    @property
+    def flops(self) -> float:
+        if self.group_k:
+            return 2.0 * self.m * self.n * sum(self.group_k)
+        return 2.0 * self.m * self.n * self.k
+
+    def label(self) -> str:
+        k = ",".join(map(str, self.group_k)) if self.group_k else str(self.k)
+        text = f"{self.m}x{self.n}x{k}"
+        if self.groups > 1:
+            text += f" g{self.groups}"
+        if self.carveout:
+            text += f" held{self.carveout}"
+        return text
+
+
+@dataclass(frozen=True)
+class Key:
+    """(arch, device, dtypes, layout, M, N, K, groups): the unit of tuning."""
+
+    arch: str
+    device: str
+    problem: Problem
+
+    def study_name(self) -> str:
+        p = self.problem
+        k = "-".join(map(str, p.group_k)) if p.group_k else str(p.k)
+        name = (
+            f"{self.arch}:{self.device}:{p.dtype_in}>{p.dtype_out}:{p.layout}:"
+            f"{p.m}x{p.n}x{k}:g{p.groups}"
+        )
+        return name + (f":held{p.carveout}" if p.carveout else "")
+
+    def with_m(self, m: int) -> "Key":
+        return replace(self, problem=replace(self.problem, m=m))
+
+    def to_dict(self) -> dict:
+        d = asdict(self.problem)
+        d["group_k"] = list(self.problem.group_k)
+        return {"arch": self.arch, "device": self.device, **d}
