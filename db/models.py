@@ -1,0 +1,100 @@
+"""Our tables (prefixed: Optuna keeps its own `trials` and `studies` in the same database): environments (device + software versions), keys, trials, winners."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Environment(Base):
+    """A device with the software it was measured under; a winner measured
+    under another environment of the same device is stale."""
+
+    __tablename__ = "tuner_environments"
+    __table_args__ = (UniqueConstraint("fingerprint"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    backend: Mapped[str] = mapped_column(String(16))
+    arch: Mapped[str] = mapped_column(String(16))
+    device: Mapped[str] = mapped_column(String(128))
+    versions: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class GemmKey(Base):
+    __tablename__ = "tuner_keys"
+    __table_args__ = (
+        UniqueConstraint(
+            "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups",
+            "group_k", "carveout", name="uq_gemm_key",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    arch: Mapped[str] = mapped_column(String(16))
+    device: Mapped[str] = mapped_column(String(128))
+    dtype_in: Mapped[str] = mapped_column(String(8))
+    dtype_out: Mapped[str] = mapped_column(String(8))
+    layout: Mapped[str] = mapped_column(String(4))
+    m: Mapped[int] = mapped_column(Integer, index=True)
+    n: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)
+    groups: Mapped[int] = mapped_column(Integer, default=1)
+    # Comma-separated per-group K for the seed-000 grouped form; "" otherwise.
+    group_k: Mapped[str] = mapped_column(String(256), default="")
+    carveout: Mapped[int] = mapped_column(Integer, default=0)
+    name: Mapped[str] = mapped_column(String(128), default="")
+
+    winner: Mapped["Winner | None"] = relationship(back_populates="key")
+
+
+class Trial(Base):
+    """One measured candidate: a pool config, or cuBLAS when `config` is None."""
+
+    __tablename__ = "tuner_trials"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key_id: Mapped[int] = mapped_column(ForeignKey("tuner_keys.id", ondelete="CASCADE"), index=True)
+    env_id: Mapped[int] = mapped_column(ForeignKey("tuner_environments.id"))
+    config_name: Mapped[str] = mapped_column(String(160))
+    scheduler: Mapped[str] = mapped_column(String(32))
+    config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rel_err: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(String(1000), nullable=True)
+    detail: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class Winner(Base):
+    __tablename__ = "tuner_winners"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key_id: Mapped[int] = mapped_column(
+        ForeignKey("tuner_keys.id", ondelete="CASCADE"), unique=True
+    )
+    env_id: Mapped[int] = mapped_column(ForeignKey("tuner_environments.id"))
+    config_name: Mapped[str] = mapped_column(String(160))
+    scheduler: Mapped[str] = mapped_column(String(32))
+    config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    ms: Mapped[float] = mapped_column(Float)
+    baseline_ms: Mapped[float] = mapped_column(Float)
+    speedup: Mapped[float] = mapped_column(Float)
+    best_by_scheduler: Mapped[dict] = mapped_column(JSON, default=dict)
+    trials: Mapped[int] = mapped_column(Integer, default=0)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now, onupdate=_now)
+
+    key: Mapped[GemmKey] = relationship(back_populates="winner")
+    env: Mapped[Environment] = relationship()

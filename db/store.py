@@ -1,0 +1,260 @@
+"""Store functions over the tables: the only way the rest of the project touches them.
+
+Keys are passed as plain dicts of the `KEY_FIELDS` (db knows nothing of
+the tuner's classes or of CUDA).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterable
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from db.engine import configure, engine_kwargs, make_engine, resolve_url
+from db.migrate import upgrade
+from db.models import Environment, GemmKey, Trial, Winner
+
+KEY_FIELDS = (
+    "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups", "group_k", "carveout",
+)
+
+
+@dataclass(frozen=True)
+class WinnerView:
+    """A winner with its key and environment, detached from the session."""
+
+    key: dict[str, Any]
+    name: str
+    config_name: str
+    scheduler: str
+    config: dict | None
+    ms: float
+    baseline_ms: float
+    speedup: float
+    best_by_scheduler: dict[str, float]
+    trials: int
+    backend: str
+    versions: dict[str, str]
+    updated_at: datetime
+
+    def stale(self, versions: dict[str, str]) -> bool:
+        return self.versions != versions
+
+    def to_record(self) -> dict[str, Any]:
+        """The export / import form."""
+        return {
+            "key": self.key, "name": self.name, "config": self.config, "config_name": self.config_name,
+            "scheduler": self.scheduler, "ms": self.ms, "baseline_ms": self.baseline_ms,
+            "speedup": self.speedup, "best_by_scheduler": self.best_by_scheduler, "trials": self.trials,
+            "backend": self.backend, "versions": self.versions, "updated_at": self.updated_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True)
+class TrialView:
+    config_name: str
+    scheduler: str
+    config: dict | None
+    ok: bool
+    ms: float | None
+    error: str | None
+
+
+def fingerprint(backend: str, arch: str, device: str, versions: dict[str, str]) -> str:
+    text = json.dumps([backend, arch, device, versions], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Store:
+    """One database: our tables plus Optuna's studies, migrated on open."""
+
+    def __init__(self, url: str | None = None, *, writer: bool = True) -> None:
+        self.url = resolve_url(url)
+        self.engine = make_engine(self.url, writer=writer)
+        if writer:
+            upgrade(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._optuna = None
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def session(self) -> Session:
+        return self._sessions()
+
+    def optuna_storage(self):
+        """Optuna's RDB storage on the same database, with the same SQLite handling."""
+        if self._optuna is None:
+            import optuna
+
+            storage = optuna.storages.RDBStorage(self.url, engine_kwargs=engine_kwargs(self.url))
+            configure(storage.engine)
+            self._optuna = storage
+        return self._optuna
+
+    # -- environments and keys ------------------------------------------------
+
+    def environment(self, backend: str, arch: str, device: str, versions: dict[str, str]) -> int:
+        fp = fingerprint(backend, arch, device, versions)
+        return self._get_or_create(
+            Environment, {"fingerprint": fp},
+            dict(backend=backend, arch=arch, device=device, versions=versions),
+        )
+
+    def key_id(self, key: dict[str, Any], name: str = "") -> int:
+        return self._get_or_create(GemmKey, _key_filter(key), {"name": name})
+
+    def _get_or_create(self, model, match: dict, extra: dict) -> int:
+        with self.session() as s:
+            try:
+                with s.begin():
+                    found = s.scalar(select(model.id).filter_by(**match))
+                    if found is None:
+                        row = model(**match, **extra)
+                        s.add(row)
+                        s.flush()
+                        found = row.id
+                return found
+            except IntegrityError:
+                # PostgreSQL: another process inserted it between our read and insert.
+                with s.begin():
+                    return s.scalar(select(model.id).filter_by(**match))
+
+    # -- trials -----------------------------------------------------------------
+
+    def record_trial(
+        self, key_id: int, env_id: int, *, config_name: str, scheduler: str, config: dict | None,
+        ok: bool, ms: float | None, rel_err: float | None = None, error: str | None = None,
+        detail: dict | None = None,
+    ) -> None:
+        with self.session() as s, s.begin():
+            s.add(Trial(
+                key_id=key_id, env_id=env_id, config_name=config_name, scheduler=scheduler,
+                config=config, ok=ok, ms=ms, rel_err=rel_err,
+                error=(error or None) and error[:1000], detail=detail or {},
+            ))
+
+    def trials(self, key_id: int, env_id: int) -> list[TrialView]:
+        with self.session() as s:
+            rows = s.scalars(select(Trial).filter_by(key_id=key_id, env_id=env_id).order_by(Trial.id))
+            return [TrialView(t.config_name, t.scheduler, t.config, t.ok, t.ms, t.error) for t in rows]
+
+    # -- winners ----------------------------------------------------------------
+
+    def set_winner(
+        self, key_id: int, env_id: int, *, config_name: str, scheduler: str, config: dict | None,
+        ms: float, baseline_ms: float, best_by_scheduler: dict[str, float], trials: int,
+    ) -> None:
+        values = dict(
+            env_id=env_id, config_name=config_name, scheduler=scheduler, config=config, ms=ms,
+            baseline_ms=baseline_ms, speedup=baseline_ms / ms, best_by_scheduler=best_by_scheduler,
+            trials=trials,
+        )
+        with self.session() as s, s.begin():
+            row = s.scalar(select(Winner).filter_by(key_id=key_id))
+            if row is None:
+                s.add(Winner(key_id=key_id, **values))
+            else:
+                for name, value in values.items():
+                    setattr(row, name, value)
+
+    def winner(self, key: dict[str, Any]) -> WinnerView | None:
+        found = self.winners(limit=1, **_key_filter(key))
+        return found[0] if found else None
+
+    def winners(
+        self, *, limit: int = 100, offset: int = 0, order_by_m: bool = False, **filters: Any,
+    ) -> list[WinnerView]:
+        """Winners whose key matches every given field (None = any)."""
+        stmt = self._winner_query(filters)
+        stmt = stmt.order_by(GemmKey.n, GemmKey.k, GemmKey.m, GemmKey.id).limit(limit).offset(offset)
+        with self.session() as s:
+            return [_view(w, k, e) for w, k, e in s.execute(stmt)]
+
+    def count_winners(self, **filters: Any) -> int:
+        stmt = select(func.count()).select_from(self._winner_query(filters).subquery())
+        with self.session() as s:
+            return s.scalar(stmt)
+
+    def tuned_m(self, key: dict[str, Any]) -> list[int]:
+        """M values with a winner for `key`'s other fields (for nearest-M lookup)."""
+        match = {f: key[f] for f in KEY_FIELDS if f != "m"}
+        stmt = (
+            select(GemmKey.m).join(Winner, Winner.key_id == GemmKey.id)
+            .where(*(getattr(GemmKey, f) == v for f, v in _key_filter(match, partial=True).items()))
+            .order_by(GemmKey.m)
+        )
+        with self.session() as s:
+            return list(s.scalars(stmt))
+
+    def _winner_query(self, filters: dict[str, Any]):
+        unknown = set(filters) - set(KEY_FIELDS) - {"backend"}
+        if unknown:
+            raise ValueError(f"unknown filter fields: {sorted(unknown)}")
+        backend = filters.pop("backend", None)
+        stmt = (
+            select(Winner, GemmKey, Environment)
+            .join(GemmKey, Winner.key_id == GemmKey.id)
+            .join(Environment, Winner.env_id == Environment.id)
+        )
+        clean = {f: v for f, v in filters.items() if v is not None}
+        for name, value in _key_filter(clean, partial=True).items():
+            stmt = stmt.where(getattr(GemmKey, name) == value)
+        if backend is not None:
+            stmt = stmt.where(Environment.backend == backend)
+        return stmt
+
+    # -- export / import ---------------------------------------------------------
+
+    def export(self, **filters: Any) -> list[dict[str, Any]]:
+        total = self.count_winners(**filters)
+        return [w.to_record() for w in self.winners(limit=max(total, 1), **filters)]
+
+    def import_records(self, records: Iterable[dict[str, Any]]) -> int:
+        """Store exported winners; a record replaces a stored winner only if faster."""
+        count = 0
+        for rec in records:
+            key = rec["key"]
+            env_id = self.environment(rec["backend"], key["arch"], key["device"], rec["versions"])
+            key_id = self.key_id(key, rec.get("name", ""))
+            current = self.winner(key)
+            if current is not None and current.ms <= rec["ms"]:
+                continue
+            self.set_winner(
+                key_id, env_id, config_name=rec["config_name"], scheduler=rec["scheduler"],
+                config=rec["config"], ms=rec["ms"], baseline_ms=rec["baseline_ms"],
+                best_by_scheduler=rec.get("best_by_scheduler", {}), trials=rec.get("trials", 0),
+            )
+            count += 1
+        return count
+
+
+def _key_filter(key: dict[str, Any], partial: bool = False) -> dict[str, Any]:
+    out = {}
+    for name in KEY_FIELDS:
+        if name not in key:
+            if partial:
+                continue
+            raise ValueError(f"key is missing field {name!r}")
+        value = key[name]
+        if name == "group_k" and not isinstance(value, str):
+            value = ",".join(map(str, value))
+        out[name] = value
+    return out
+
+
+def _view(w: Winner, k: GemmKey, e: Environment) -> WinnerView:
+    key = {name: getattr(k, name) for name in KEY_FIELDS}
+    key["group_k"] = [int(x) for x in k.group_k.split(",")] if k.group_k else []
+    return WinnerView(
+        key=key, name=k.name, config_name=w.config_name, scheduler=w.scheduler, config=w.config,
+        ms=w.ms, baseline_ms=w.baseline_ms, speedup=w.speedup,
+        best_by_scheduler=w.best_by_scheduler, trials=w.trials, backend=e.backend,
+        versions=e.versions, updated_at=w.updated_at,
+    )

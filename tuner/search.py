@@ -1,0 +1,283 @@
+"""The search: one Optuna study per key, winners into the store.
+
+A study lives in the same database as our tables, named from the key and the
+environment it measures under, so an interrupted run resumes where it stopped
+and several processes (or hosts, on PostgreSQL) can share one key's trials.
+Every measured config is also recorded as a trial row of our own: a config is
+never timed twice for a key, and the winner is chosen from verified rows only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import optuna
+
+from db.store import Store, TrialView, WinnerView
+from kernels import space
+from kernels.space import GemmConfig, InvalidConfig
+from tuner.key import Key
+from tuner.measure import Backend, Measurement
+
+BASELINE = "cublas"
+# Nearest tuned keys whose winners seed a new study.
+WARM_START_KEYS = 3
+# Pruned (invalid) samples are cheap but not free: give up on a key after this
+# many samples per measured trial of budget.
+MAX_SAMPLES_PER_TRIAL = 20
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@dataclass(frozen=True)
+class Budget:
+    trials: int = 40
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    key: Key
+    winner: WinnerView
+    skipped: bool
+
+
+class _Failed(Exception):
+    """A config that compiled but failed: Optuna records the trial as FAIL."""
+
+
+def tune_key(
+    key: Key, backend: Backend, store: Store, budget: Budget, *, name: str = "",
+    force: bool = False, on_trial: Callable[[int, int], None] | None = None,
+) -> Outcome:
+    """Search the pool for `key`, store and return the winner.
+
+    A key whose winner was measured under the backend's current versions is
+    skipped unless `force`.
+    """
+    versions = backend.versions()
+    env_id = store.environment(backend.name, key.arch, key.device, versions)
+    key_dict = key.to_dict()
+    key_id = store.key_id(key_dict, name)
+    current = store.winner(key_dict)
+    if current is not None and not current.stale(versions) and not force:
+        return Outcome(key, current, skipped=True)
+
+    measured = {t.config_name: t for t in store.trials(key_id, env_id)}
+
+    def measure(cfg: GemmConfig | None) -> TrialView:
+        config_name = cfg.name() if cfg else BASELINE
+        if config_name not in measured:
+            m = backend.measure(key, cfg) if cfg else backend.baseline(key)
+            store.record_trial(
+                key_id, env_id, config_name=config_name,
+                scheduler=cfg.scheduler if cfg else BASELINE, config=cfg.to_dict() if cfg else None,
+                ok=m.ok, ms=m.ms, rel_err=m.rel_err, error=m.error, detail=m.detail,
+            )
+            measured[config_name] = TrialView(
+                config_name, cfg.scheduler if cfg else BASELINE, cfg.to_dict() if cfg else None,
+                m.ok, m.ms, m.error,
+            )
+        return measured[config_name]
+
+    baseline = measure(None)
+    if not baseline.ok:
+        raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed: {baseline.error}")
+
+    study = optuna.create_study(
+        study_name=f"{key.study_name()}:{_env_tag(backend.name, versions)}",
+        storage=store.optuna_storage(),
+        sampler=optuna.samplers.TPESampler(
+            seed=_seed(key.study_name()), multivariate=True, group=True, constant_liar=True,
+            n_startup_trials=min(10, budget.trials),
+        ),
+        direction="minimize",
+        load_if_exists=True,
+    )
+    if not study.trials:
+        for cfg in _warm_start(key, store, backend.arch):
+            study.enqueue_trial(_params(cfg), skip_if_exists=True)
+
+    def objective(trial: optuna.Trial) -> float:
+        try:
+            cfg = GemmConfig(**_suggest(trial, key.arch))
+            p = key.problem
+            space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+        except InvalidConfig as exc:
+            trial.set_user_attr("invalid", str(exc))
+            raise optuna.TrialPruned(str(exc)) from None
+        row = measure(cfg)
+        trial.set_user_attr("config", row.config_name)
+        if not row.ok:
+            raise _Failed(row.error or "failed")
+        return row.ms
+
+    started = time.monotonic()
+
+    def done() -> int:
+        states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+        return len(study.get_trials(deepcopy=False, states=states))
+
+    def stop_when_spent(study_: optuna.Study, _trial) -> None:
+        n = done()
+        if on_trial:
+            on_trial(min(n, budget.trials), budget.trials)
+        if n >= budget.trials or budget.seconds and time.monotonic() - started > budget.seconds:
+            study_.stop()
+
+    remaining = budget.trials - done()
+    if remaining > 0:
+        study.optimize(
+            objective, n_trials=remaining * MAX_SAMPLES_PER_TRIAL, timeout=budget.seconds,
+            catch=(_Failed,), callbacks=[stop_when_spent],
+        )
+    if on_trial:
+        on_trial(budget.trials, budget.trials)
+
+    winner = _pick_winner(key, backend, measured, measure)
+    best = _best_by_scheduler(measured)
+    store.set_winner(
+        key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,
+        config=winner.config, ms=winner.ms, baseline_ms=baseline.ms, best_by_scheduler=best,
+        trials=done(),
+    )
+    return Outcome(key, store.winner(key_dict), skipped=False)
+
+
+def _pick_winner(key, backend, measured, measure) -> TrialView:
+    """Re-measure the two best pool configs and cuBLAS interleaved; fastest wins.
+
+    Before that, the best config is tried under every other scheduler, so the
+    stored per-scheduler times compare like with like.
+    """
+    ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
+    if not ranked:
+        return measured[BASELINE]
+    top = GemmConfig.from_dict(ranked[0].config)
+    for variant in _scheduler_variants(top):
+        measure(variant)
+
+    ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
+    finalists = [GemmConfig.from_dict(t.config) for t in ranked[:2]] + [None]
+    again = backend.remeasure(key, finalists)
+    scored = [
+        (m.ms, cfg) for m, cfg in zip(again, finalists, strict=True) if m.ok and m.ms is not None
+    ]
+    ms, cfg = min(scored, key=lambda pair: pair[0])
+    row = measured[cfg.name() if cfg else BASELINE]
+    return replace(row, ms=ms)
+
+
+def _scheduler_variants(cfg: GemmConfig) -> list[GemmConfig]:
+    out = []
+    for sched in space.knobs(cfg.arch)["scheduler"]:
+        if sched == cfg.scheduler:
+            continue
+        fields = cfg.to_dict() | {"scheduler": sched, "tail_cancel": False}
+        if sched == "single_tile":
+            fields["swizzle"] = 1
+        if sched not in ("dynamic_persistent", "clc"):
+            fields["sched_depth"] = 1
+        if space.is_valid(fields):
+            out.append(GemmConfig(**fields))
+    return out
+
+
+def _best_by_scheduler(measured: dict[str, TrialView]) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for t in measured.values():
+        if t.ok and t.ms is not None and t.ms < best.get(t.scheduler, math.inf):
+            best[t.scheduler] = t.ms
+    return dict(sorted(best.items()))
+
+
+def _suggest(trial: optuna.Trial, arch: str) -> dict:
+    """Sample the knobs; those that do not apply to the scheduler stay neutral.
+
+    Tile and cluster shapes are sampled as one categorical each (every
+    combination the space offers): fewer parameters make each trial cheaper
+    to sample and store.
+    """
+    knobs = space.knobs(arch)
+    fields = {"arch": arch}
+    sched = fields["scheduler"] = trial.suggest_categorical("scheduler", knobs["scheduler"])
+    for name, choices in _choices(arch).items():
+        if name == "sched_depth" and sched not in ("dynamic_persistent", "clc"):
+            continue
+        if name == "tail_cancel" and sched != "clc":
+            continue
+        if name == "swizzle" and sched == "single_tile":
+            continue
+        value = trial.suggest_categorical(name, choices)
+        if name in _PAIRS:
+            first, second = _PAIRS[name]
+            fields[first], fields[second] = (int(v) for v in value.split("x"))
+        else:
+            fields[name] = value
+    return fields
+
+
+_PAIRS = {"tile": ("tile_m", "tile_n"), "cluster": ("cluster_m", "cluster_n")}
+
+
+def _choices(arch: str) -> dict[str, tuple]:
+    """The sampled parameters of `arch` and their values (single-valued knobs left out)."""
+    knobs = space.knobs(arch)
+    out = {}
+    for pair, (first, second) in _PAIRS.items():
+        out[pair] = tuple(f"{a}x{b}" for a in knobs[first] for b in knobs[second])
+    for name, choices in knobs.items():
+        paired = any(name in names for names in _PAIRS.values())
+        if name != "scheduler" and not paired and len(choices) > 1:
+            out[name] = choices
+    return out
+
+
+def _params(cfg: GemmConfig) -> dict:
+    params = {"scheduler": cfg.scheduler}
+    for name in _choices(cfg.arch):
+        if name in _PAIRS:
+            first, second = _PAIRS[name]
+            params[name] = f"{getattr(cfg, first)}x{getattr(cfg, second)}"
+        else:
+            params[name] = getattr(cfg, name)
+    return params
+
+
+def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
+    """A default per scheduler, then the winners of the nearest tuned keys."""
+    p = key.problem
+    candidates = list(space.defaults(arch).values())
+    near = store.winners(
+        limit=10_000, arch=key.arch, device=key.device, dtype_in=p.dtype_in,
+        dtype_out=p.dtype_out, layout=p.layout,
+    )
+
+    def distance(w: WinnerView) -> float:
+        k = w.key
+        return sum(abs(math.log2(k[f] / getattr(p, f))) for f in ("m", "n", "k"))
+
+    near = sorted((w for w in near if w.config), key=distance)[:WARM_START_KEYS]
+    candidates += [GemmConfig.from_dict(w.config) for w in near]
+    out = []
+    for cfg in candidates:
+        try:
+            space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+        except InvalidConfig:
+            continue
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+
+
+def _env_tag(backend: str, versions: dict[str, str]) -> str:
+    text = backend + repr(sorted(versions.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
