@@ -1,0 +1,106 @@
+import random
+
+import pytest
+
+from kernels import space
+from kernels.space import GemmConfig, InvalidConfig
+
+
+def test_defaults_are_valid_for_every_scheduler():
+    for arch in space.ARCHS:
+        defaults = space.defaults(arch)
+        assert set(defaults) == set(space.knobs(arch)["scheduler"])
+
+
+def test_sm90_pool_size_and_scheduler_split():
+    configs = list(space.enumerate_configs("sm90"))
+    assert len(configs) == len(set(configs))
+    by_sched = {s: sum(c.scheduler == s for c in configs) for s in space.SCHEDULERS}
+    assert by_sched["clc"] == 0
+    # Three prefetch depths for the atomic scheduler; single_tile has no swizzle.
+    assert by_sched["dynamic_persistent"] == 3 * by_sched["static_persistent"]
+    assert by_sched["single_tile"] * 4 == by_sched["static_persistent"]
+    assert len(configs) == 35224
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(tile_m=128, tile_n=256, stages=4),
+        dict(tile_m=256, tile_n=128, stages=3),
+        dict(tile_m=64, tile_n=256, stages=5, cluster_m=2),
+        dict(scheduler="dynamic_persistent", sched_depth=3),
+        dict(split_k=4, tile_m=64, tile_n=128),
+        dict(arch="sm100", tile_m=256, tile_n=256, cta_group=2, cluster_m=2, acc_stages=2, stages=4),
+        dict(arch="sm100", scheduler="clc", sched_depth=3, tail_cancel=True, cluster_m=4, cluster_n=4),
+        dict(arch="sm100", tile_m=64, tile_n=32, stages=8, acc_stages=4),
+    ],
+)
+def test_accepted(fields):
+    GemmConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        (dict(tile_m=256, tile_n=256), "accumulator registers"),
+        (dict(tile_m=128, tile_n=256, stages=6), "shared memory"),
+        (dict(scheduler="clc"), "scheduler='clc'"),
+        (dict(scheduler="static_persistent", sched_depth=2), "sched_depth applies"),
+        (dict(tail_cancel=True), "tail_cancel="),
+        (dict(scheduler="single_tile", swizzle=4), "single_tile"),
+        (dict(cluster_m=2, cluster_n=4), "cluster_n=4"),
+        (dict(tile_n=72), "tile_n=72"),
+        (dict(split_k=2, tile_m=256, tile_n=64), "split-K"),
+        (dict(arch="sm100", cta_group=2, tile_m=256, cluster_m=1), "even cluster_m"),
+        (dict(arch="sm100", cta_group=1, tile_m=256), "1-CTA"),
+        (dict(arch="sm100", cta_group=2, tile_m=64, cluster_m=2), "2-CTA"),
+        (dict(arch="sm100", tile_n=160, acc_stages=4), "TMEM columns"),
+        (dict(arch="sm100", scheduler="clc", tail_cancel=True, sched_depth=2, cluster_m=4, cluster_n=4,
+              tile_n=256, stages=8), "shared memory"),
+        (dict(arch="sm70"), "unknown arch"),
+    ],
+)
+def test_rejected(fields, reason):
+    with pytest.raises(InvalidConfig, match=reason.replace("(", r"\(").replace("'", ".")):
+        GemmConfig(**fields)
+
+
+def test_smem_budget_is_the_stage_limit():
+    # 128x128 bf16: 32 KB per stage, so 6 stages fit in 227 KB with the epilogue, 7 do not.
+    GemmConfig(tile_m=128, tile_n=128, stages=6)
+    with pytest.raises(InvalidConfig, match="shared memory"):
+        GemmConfig(tile_m=128, tile_n=128, stages=7)
+
+
+@pytest.mark.parametrize(
+    "problem, reason",
+    [
+        (dict(m=0, n=8, k=8), "M must be positive"),
+        (dict(m=4, n=8, k=12), "multiple of 8"),
+        (dict(m=4, n=12, k=8, layout="nn"), "N=12"),
+        (dict(m=4, n=8, k=8, dtype_in="fp8"), "input dtype"),
+        (dict(m=4, n=8, k=8, layout="tt"), "layout"),
+        (dict(m=4, n=8, k=4096, groups=2), "grouped"),
+        (dict(m=4, n=8, k=4104), "16-byte aligned"),
+        (dict(m=4, n=8, k=96), "under one k-block"),
+    ],
+)
+def test_check_problem(problem, reason):
+    cfg = GemmConfig(split_k=4, tile_m=64)
+    with pytest.raises(InvalidConfig, match=reason):
+        space.check_problem(cfg, **problem)
+
+
+def test_sample_draws_valid_configs_of_every_scheduler():
+    rng = random.Random(0)
+    drawn = [space.sample("sm100", rng) for _ in range(400)]
+    assert {c.scheduler for c in drawn} == set(space.SCHEDULERS)
+    assert any(c.tail_cancel for c in drawn)
+
+
+def test_round_trip_and_unknown_fields():
+    cfg = GemmConfig(scheduler="dynamic_persistent", sched_depth=2)
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(InvalidConfig, match="unknown config fields"):
+        GemmConfig.from_dict({**cfg.to_dict(), "bogus": 1})
