@@ -1,0 +1,599 @@
+"""Analytic performance model of the kernel pool: the `model` measurement backend.
+
+A prediction has three layers:
+
+1. Per work tile (one cluster tile): a roofline per 64-deep k-block, the
+   slowest of MMA issue (tile-shape dependent: shared-memory operand reads and
+   a fixed per-k-block synchronisation cost make small tiles less efficient),
+   L2 -> SM traffic (cluster multicast shares A along cluster N and B along
+   cluster M), HBM traffic (L2 reuse within a wave of concurrently running
+   tiles, set by raster order and swizzle) and load latency that too few
+   pipeline stages cannot hide. The epilogue (output store) is overlapped
+   with the next tile's mainloop to a degree that depends on the scheduler
+   and, on sm100, on the accumulator stages in TMEM.
+2. Assignment of tiles to workers (clusters), simulated over the workers:
+   static persistent gives tile i to worker i mod W; dynamic (atomic counter)
+   and CLC hand the next tile to whichever worker claims first; single-tile
+   launches are dispatched by the hardware to whichever SM frees first, each
+   paying a CTA start and an unhidden epilogue. Uniform-cost runs of tiles
+   are assigned in closed form (exact for greedy earliest-free assignment);
+   only claims made ahead of time (`sched_depth` > 1, seed 000's warning) on
+   few-wave problems need the tile-by-tile event simulation.
+3. The launch: kernel launch overhead, SMs held by another kernel
+   (`Problem.carveout`, seed 003), phantom clusters of a worst-case padded
+   CLC or single-tile grid (seed 002) with or without tail cancellation, and
+   the split-K reduction pass.
+
+Scheduler semantics modelled (the kernels must match them):
+- `sched_depth` is the number of claims in flight. Depth 1 claims the next
+  tile when the current tile's mainloop ends, so the claim's round trip
+  overlaps the epilogue and nothing is reserved early. Depth d > 1 keeps
+  d - 1 tiles claimed ahead (the claim for a worker's tile p is issued when
+  its tile p - d + 1 starts): latency is hidden, balance is lost.
+- A dynamic persistent worker takes its first tile from the counter too, so
+  CTAs that cannot launch (SMs held) own no tile; a CLC grid's first wave is
+  whatever clusters fit, the rest are cancelled by the running ones.
+- Static persistent kernels size their grid for every SM: the CTAs that land
+  on held SMs start when the other kernel ends or a resident CTA exits,
+  whichever is first. The other kernel is modelled as running as long as
+  this GEMM's ideal time (its FLOPs at the device's sustained MMA rate).
+
+Times are microseconds inside the module; the public functions return ms.
+All constants are estimates unless a source is named; the model's error
+against measured H100 results is reported by the benchmarks, not assumed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kernels.space import (
+    DTYPE_BYTES, TILE_K, GemmConfig, InvalidConfig, check_problem, smem_bytes,
+)
+from tuner.key import Key, Problem
+from tuner.measure import Measurement
+
+MODEL_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """What the model knows about one GPU. Rates are per second, sizes in bytes."""
+
+    name: str
+    arch: str
+    sms: int
+    flops_per_clk_sm: int      # dense bf16/fp16 tensor-core FLOP per clock per SM
+    clock_hz: float            # the clock the datasheet peak is quoted at
+    hbm_bw: float              # peak DRAM bandwidth
+    l2_bytes: int
+    l2_bw: float               # L2 -> SM bandwidth, whole chip
+    smem_per_sm: int
+    # Sustained fraction of peak on a well-shaped tile (clocks drop under
+    # full tensor-core load; issue and barrier gaps).
+    mma_efficiency: float
+    hbm_efficiency: float      # achievable fraction of peak DRAM bandwidth
+    kblock_overhead_clk: int   # per-k-block barrier / issue cost of the mainloop
+    smem_read_bytes_per_clk: int = 128
+    sm_load_bytes_per_clk: int = 128   # TMA load bandwidth one SM can pull
+    load_latency_us: float = 0.6       # TMA load round trip under load
+    launch_us: float = 2.0             # kernel launch + drain, back to back
+    cta_start_us: float = 1.0          # CTA launch, barrier init, descriptor prefetch, exit
+    epilogue_fixed_us: float = 0.5     # accumulators -> smem -> TMA store issue
+    atomic_claim_us: float = 1.0       # global atomic round trip (dynamic_persistent)
+    clc_claim_us: float = 0.35         # try_cancel -> response in smem (clc)
+
+    @property
+    def peak_flops(self) -> float:
+        return self.sms * self.flops_per_clk_sm * self.clock_hz
+
+
+# H100 SXM5: 132 SMs, 989.4 TFLOP/s dense BF16, 3.35 TB/s HBM3, 50 MB L2
+# (NVIDIA H100 Tensor Core GPU datasheet); 228 KB shared memory per SM (CUDA
+# C Programming Guide, compute capability 9.0). The clock is the one the peak
+# implies at 4096 dense FLOP/clk/SM: 989.4e12 / (132 * 4096) = 1.83 GHz.
+# Peak is derived per SM, so a variant with fewer SMs has a smaller peak.
+# L2 bandwidth is an estimate: a 128x128 un-clustered GEMM, which needs
+# ~11 TB/s from L2 at the rates it is seen to run, is not L2 bound.
+H100 = DeviceModel(
+    name="H100-model", arch="sm90", sms=132, flops_per_clk_sm=4096, clock_hz=1.83e9,
+    hbm_bw=3.35e12, l2_bytes=50 * 2**20, l2_bw=12e12, smem_per_sm=228 * 1024,
+    mma_efficiency=0.86, hbm_efficiency=0.90, kblock_overhead_clk=80,
+)
+
+# B200 (HGX B200): 148 SMs, 2.25 PFLOP/s dense FP16/BF16, 8 TB/s HBM3e
+# (NVIDIA HGX B200 / DGX B200 datasheet; the driver reports a 7680-bit bus at
+# 3996 MHz, i.e. ~7.67 TB/s, pytorch/ao PR #4002); L2 126.5 MB and 228 KB
+# shared memory per SM (CUDA device query in the same PR; chipsandcheese,
+# "Nvidia's B200", measures 126 MB). Clock implied by 8192 dense
+# FLOP/clk/SM: 2.25e15 / (148 * 8192) = 1.86 GHz. L2 bandwidth: estimate.
+# tcgen05 is issued by one thread and runs asynchronously, so the per-k-block
+# overhead is smaller than WGMMA's.
+B200 = DeviceModel(
+    name="B200-model", arch="sm100", sms=148, flops_per_clk_sm=8192, clock_hz=1.856e9,
+    hbm_bw=8.0e12, l2_bytes=int(126.5 * 2**20), l2_bw=20e12, smem_per_sm=228 * 1024,
+    mma_efficiency=0.75, hbm_efficiency=0.88, kblock_overhead_clk=32,
+)
+
+DEVICES = {"sm90": H100, "sm100": B200}
+
+# Fraction of the epilogue the MMA pipe waits for when the accumulator has a
+# single buffer (all of sm90: accumulators in the consumers' registers; sm100
+# with acc_stages == 1): the TMA store is asynchronous and the producer has
+# prefetched the next tile, but the register/TMEM -> smem copy is not hidden.
+EPILOGUE_EXPOSED = 0.5
+# Per-tile cost of the static scheduler's index arithmetic.
+STATIC_NEXT_US = 0.02
+# Operands that fit in this share of L2 are read from HBM once per launch.
+L2_RESIDENT_SHARE = 0.5
+# seed 002's tail cancel: cancel requests per padded claim, by how many times
+# the real clusters the padding is ("found via benchmarking"); the cap is
+# the kernel's MAX_CLC_CANCEL_ATTEMPTS, which the seed does not print.
+TAIL_CANCEL_TIERS = ((8, 64), (4, 32), (2, 16), (1, 8))
+TAIL_CANCEL_DEFAULT = 2
+# Claims made ahead only change the assignment where tile costs differ (on
+# equal tiles every order is the same): those problems are simulated tile by
+# tile up to this many tiles; beyond it the reservation skew is small against
+# the run and the closed form is used.
+EVENT_SIM_MAX_TILES = 1024
+# Standard tiles a vendor heuristic picks from (cuBLAS-like baseline).
+_BASELINE_TILES = {
+    "sm90": ((128, 128, 1, 1, 1), (128, 256, 2, 1, 1), (256, 128, 1, 2, 1), (64, 128, 1, 1, 1)),
+    "sm100": ((256, 128, 2, 1, 2), (256, 256, 2, 1, 2), (128, 128, 1, 1, 1), (128, 64, 1, 1, 1)),
+}
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A run of consecutive work tiles with the same cost."""
+
+    tiles: int
+    mainloop: float     # us, MMA mainloop of one tile
+    epilogue: float     # us, the full epilogue of one tile
+    lead: float         # us, how far the producer runs ahead of the MMA
+    bound: str
+
+
+@dataclass(frozen=True)
+class _Plan:
+    segments: tuple[_Segment, ...]
+    tiles: int
+    grid: int           # clusters the launch grid covers (>= tiles when padded)
+    workers: int        # persistent clusters the grid holds (all SMs)
+    free_workers: int   # clusters that fit on the SMs not held
+
+
+def predict_ms(
+    key_or_problem: Key | Problem, cfg: GemmConfig, device: DeviceModel | None = None,
+    *, padding: float = 1.0,
+) -> float:
+    """Predicted kernel time of `cfg` on the problem, in milliseconds.
+
+    `padding` > 1 sizes a CLC or single-tile grid for that many times the
+    rows actually present (seed 002's worst-case MoE buffer); the useful work
+    does not change. Raises InvalidConfig if `cfg` cannot run the problem.
+    """
+    return _predict(key_or_problem, cfg, device, padding)[0]
+
+
+def baseline_ms(problem: Key | Problem, device: DeviceModel | None = None) -> float:
+    """A modelled cuBLAS: the best of a few standard static-persistent configs.
+
+    Like a vendor heuristic it knows nothing of SMs held by another kernel;
+    a grouped problem is a loop of per-group calls, each paying its launch.
+    """
+    problem, device = _resolve(problem, device, None)
+    if problem.groups == 1:
+        return _baseline_dense(problem, device)
+    per_shape: dict[tuple[int, int], float] = {}
+    for m, k in _group_shapes(problem):
+        if m and (m, k) not in per_shape:
+            per_shape[m, k] = _baseline_dense(replace(problem, m=m, k=k, groups=1, group_k=()), device)
+    return sum(per_shape[m, k] for m, k in _group_shapes(problem) if m)
+
+
+class ModelBackend:
+    """The analytic model behind the tuner's `Backend` interface.
+
+    A measurement's detail carries the tile and worker counts, waves, the
+    bound of the dominant tiles, and the earliest and latest time a worker
+    finishes its real work (their spread is the load imbalance).
+    """
+
+    name = "model"
+
+    def __init__(self, arch: str, device: DeviceModel | None = None):
+        if device is None:
+            if arch not in DEVICES:
+                raise ValueError(f"no device model for arch {arch!r}; expected one of {tuple(DEVICES)}")
+            device = DEVICES[arch]
+        if device.arch != arch:
+            raise ValueError(f"device model {device.name} is {device.arch}, not {arch}")
+        self.arch = arch
+        self.device = device
+        self.device_name = device.name
+
+    def versions(self) -> dict[str, str]:
+        return {"model": MODEL_VERSION}
+
+    def measure(self, key: Key, cfg: GemmConfig) -> Measurement:
+        if key.arch != self.arch or cfg.arch != self.arch:
+            return Measurement(ms=None, ok=False, error=f"the {self.arch} model cannot time {cfg.arch} on {key.arch}")
+        try:
+            ms, detail = _predict(key.problem, cfg, self.device, 1.0)
+        except InvalidConfig as exc:
+            return Measurement(ms=None, ok=False, error=str(exc))
+        return Measurement(ms=ms, ok=True, detail=detail)
+
+    def baseline(self, key: Key) -> Measurement:
+        try:
+            ms = baseline_ms(key.problem, self.device)
+        except InvalidConfig as exc:
+            return Measurement(ms=None, ok=False, error=str(exc))
+        return Measurement(ms=ms, ok=True, detail={"baseline": "modelled cuBLAS"})
+
+    def remeasure(self, key: Key, cfgs: list[GemmConfig | None]) -> list[Measurement]:
+        # The model is deterministic: interleaving changes nothing.
+        return [self.baseline(key) if cfg is None else self.measure(key, cfg) for cfg in cfgs]
+
+
+# --------------------------------------------------------------------------
+# Prediction
+
+
+def _resolve(key_or_problem, device, cfg) -> tuple[Problem, DeviceModel]:
+    is_key = isinstance(key_or_problem, Key)
+    problem = key_or_problem.problem if is_key else key_or_problem
+    if device is None:
+        if cfg is None and not is_key:
+            raise ValueError("a bare Problem names no arch: pass a device model")
+        device = DEVICES[cfg.arch if cfg is not None else key_or_problem.arch]
+    return problem, device
+
+
+def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[float, dict]:
+    problem, device = _resolve(key_or_problem, device, cfg)
+    if cfg.arch != device.arch:
+        raise InvalidConfig(f"config for {cfg.arch} on a {device.arch} device model")
+    p = problem
+    check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+    if padding < 1:
+        raise ValueError(f"padding must be >= 1, got {padding}")
+    plan = _plan(p, cfg, device, padding)
+    us, detail = _schedule(plan, p, cfg, device)
+    us += device.launch_us
+    if cfg.split_k > 1:
+        us += _reduction_us(p, cfg, device)
+    detail["split_k_reduction"] = cfg.split_k > 1
+    return us / 1000.0, detail
+
+
+def _group_shapes(p: Problem) -> list[tuple[int, int]]:
+    """(M, K) of every group; MoE groups split the total M evenly."""
+    if p.group_k:
+        return [(p.m, k) for k in p.group_k]
+    base, extra = divmod(p.m, p.groups)
+    return [(base + (g < extra), p.k) for g in range(p.groups)]
+
+
+def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Plan:
+    cm, cn = cfg.cluster_tile
+    cs = cfg.cluster_size
+    workers = dev.sms // cs
+    free_workers = (dev.sms - p.carveout) // cs
+    if free_workers < 1:
+        raise InvalidConfig(
+            f"{p.carveout} of {dev.sms} SMs held leave no room for a {cfg.cluster_m}x{cfg.cluster_n} cluster"
+        )
+    shapes = _group_shapes(p)
+    tiles_n = _cdiv(p.n, cn)
+    counts = [_cdiv(m, cm) * tiles_n * cfg.split_k for m, _ in shapes]
+    tiles = sum(counts)
+    concurrent = min(free_workers, tiles)
+    active_sms = max(1, concurrent) * cs
+    segments = []
+    for (m, k), count in zip(shapes, counts, strict=True):
+        if count:
+            segments.append(_segment(p, cfg, dev, m, k, count, active_sms, concurrent))
+    grid = tiles
+    if cfg.scheduler in ("clc", "single_tile"):
+        # The grid is sized on the host for the worst case: the padded buffer
+        # rows, and for MoE groups one partial tile per group boundary.
+        rows = math.ceil(p.m * padding)
+        bound = (_cdiv(rows, cm) + (p.groups - 1 if p.groups > 1 and not p.group_k else 0)) * tiles_n
+        grid = max(tiles, bound * cfg.split_k)
+    return _Plan(tuple(_merge(segments)), tiles, grid, workers, free_workers)
+
+
+def _merge(segments: list[_Segment]) -> list[_Segment]:
+    out: list[_Segment] = []
+    for s in segments:
+        if out and (out[-1].mainloop, out[-1].epilogue) == (s.mainloop, s.epilogue):
+            out[-1] = replace(out[-1], tiles=out[-1].tiles + s.tiles)
+        else:
+            out.append(s)
+    return out
+
+
+def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
+    """Cost of one work tile of a group with `m` rows and depth `k`."""
+    e = DTYPE_BYTES[p.dtype_in]
+    cm, cn = cfg.cluster_tile
+    cs = cfg.cluster_size
+    k_tile = k // cfg.split_k
+    kblocks = _cdiv(k_tile, TILE_K)
+
+    # MMA issue per SM: the hardware computes the whole tile, edge or not.
+    mma_clk = 2.0 * cfg.cta_tile_m * cfg.tile_n * TILE_K / dev.flops_per_clk_sm
+    if cfg.arch == "sm90":
+        # Every consumer warpgroup reads the whole B slice from smem.
+        smem = (cfg.cta_tile_m + cfg.tile_n * cfg.consumer_warpgroups) * TILE_K * e
+    else:
+        smem = (cfg.cta_tile_m + cfg.tile_n // cfg.cta_group) * TILE_K * e
+    core_clk = max(mma_clk, smem / dev.smem_read_bytes_per_clk) + dev.kblock_overhead_clk
+    t_core = core_clk / dev.clock_hz / dev.mma_efficiency * 1e6
+
+    # Operand traffic: one copy per cluster tile thanks to multicast; only the
+    # rows and columns that exist are read.
+    rows, cols = min(cm, m), min(cn, p.n)
+    l2_per_sm = (rows + cols) * TILE_K * e / cs
+    sm_bw = dev.sm_load_bytes_per_clk * dev.clock_hz
+    t_l2 = l2_per_sm / min(sm_bw, dev.l2_bw / active_sms) * 1e6
+    hbm_share = dev.hbm_bw * dev.hbm_efficiency / active_sms
+    ratio = _hbm_ratio(p, cfg, dev, m, k, concurrent)
+    t_hbm = l2_per_sm * ratio / min(sm_bw, hbm_share) * 1e6
+    # Little's law: stages - 1 k-blocks in flight while one is consumed.
+    t_lat = dev.load_latency_us / (cfg.stages - 1)
+    terms = {"compute": t_core, "l2": t_l2, "hbm": t_hbm, "latency": t_lat}
+    bound = max(terms, key=terms.get)
+    mainloop = kblocks * terms[bound]
+
+    out_bytes = 4 if cfg.split_k > 1 else DTYPE_BYTES[p.dtype_out]
+    c_per_sm = min(cm, m) * min(cn, p.n) * out_bytes / cs
+    epilogue = dev.epilogue_fixed_us + c_per_sm / min(sm_bw, hbm_share) * 1e6
+    # The producer warp issues a tile's last load stages - 1 k-blocks before
+    # the MMA consumes it: a depth-1 claim made then is answered meanwhile.
+    lead = min(kblocks, cfg.stages - 1) * terms[bound]
+    return _Segment(count, mainloop, epilogue, lead, bound)
+
+
+def _hbm_ratio(p, cfg, dev, m, k, concurrent) -> float:
+    """HBM bytes per byte of operand traffic, from L2 reuse."""
+    e = DTYPE_BYTES[p.dtype_in]
+    cm, cn = cfg.cluster_tile
+    rows, cols = min(cm, m), min(cn, p.n)
+    tm, tn = _cdiv(m, cm), _cdiv(p.n, cn)
+    # Each of the group's A and B panels at least once.
+    compulsory = (m + p.n) / (tm * tn * (rows + cols))
+    if (m + p.n) * k * e <= L2_RESIDENT_SHARE * dev.l2_bytes:
+        return compulsory
+    # A wave of `w` concurrent tiles walks `depth` tiles in the raster
+    # direction inside strips `swizzle` tiles wide; the panels it shares are
+    # read from HBM once per wave.
+    w = min(tm * tn, max(1, math.ceil(concurrent / cfg.split_k)))
+    swizzle = cfg.swizzle if cfg.persistent else 1
+    along, across = (tm, tn) if cfg.raster == "m" else (tn, tm)
+    size_along, size_across = (rows, cols) if cfg.raster == "m" else (cols, rows)
+    width = min(across, max(swizzle, _cdiv(w, along)))
+    depth = min(along, _cdiv(w, width))
+    footprint = depth * size_along + width * size_across
+    return min(1.0, max(compulsory, footprint / (w * (rows + cols))))
+
+
+def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tuple[float, dict]:
+    """Makespan of the tiles over the workers (us, from the first CTA start)."""
+    ideal = p.flops / (dev.peak_flops * dev.mma_efficiency) * 1e6
+    held = plan.workers - plan.free_workers
+    fill = dev.load_latency_us
+    start = dev.cta_start_us + fill
+    segs = plan.segments
+    late_start = ideal + start  # held SMs come back when the other kernel ends
+
+    if cfg.scheduler == "single_tile":
+        # The block scheduler hands each CTA to whichever SM frees first; every
+        # tile pays a CTA start, its pipeline fill and its whole epilogue.
+        free = _workers(plan.free_workers, held, 0.0, ideal)
+        for s in segs:
+            free = _greedy(free, s.tiles, dev.cta_start_us + fill + s.mainloop + s.epilogue)
+        free = _greedy(free, plan.grid - plan.tiles, dev.cta_start_us)
+        finish = free
+        end = float(free.max())
+    elif cfg.scheduler == "static_persistent":
+        end, finish = _static(plan, cfg, dev, start, ideal)
+    else:
+        lat = dev.clc_claim_us if cfg.scheduler == "clc" else dev.atomic_claim_us
+        # An atomic worker claims its first tile too; CLC's first is blockIdx.
+        first = start + (lat if cfg.scheduler == "dynamic_persistent" else 0.0)
+        free = _workers(plan.free_workers, held, first, late_start)
+        tail = [_exposed_epilogue(cfg, s) for s in segs]
+        if cfg.sched_depth > 1 and len(segs) > 1 and plan.tiles <= EVENT_SIM_MAX_TILES:
+            free = _event_sim(free, segs, tail, cfg.sched_depth, lat)
+        else:
+            for s, t in zip(segs, tail, strict=True):
+                hidden = s.lead + t + (cfg.sched_depth - 1) * (s.mainloop + t)
+                free = _greedy(free, s.tiles, s.mainloop + t + max(0.0, lat - hidden))
+        # The last tile's epilogue finishes after the loop ends.
+        free = free + (segs[-1].epilogue - tail[-1])
+        finish = free
+        phantoms = plan.grid - plan.tiles if cfg.scheduler == "clc" else 0
+        if phantoms:
+            free = _drain_phantoms(free, phantoms, plan.tiles, cfg, dev, lat)
+        end = float(free.max())
+
+    detail = {
+        "tiles": plan.tiles,
+        "grid": plan.grid,
+        "workers": plan.free_workers,
+        "waves": round(plan.tiles / plan.free_workers, 3),
+        "bound": max(segs, key=lambda s: s.tiles * s.mainloop).bound,
+        "finish_min_us": round(float(np.min(finish)), 3),
+        "finish_max_us": round(float(np.max(finish)), 3),
+        "ideal_us": round(ideal, 3),
+    }
+    return end, detail
+
+
+def _exposed_epilogue(cfg: GemmConfig, s: _Segment) -> float:
+    if cfg.arch == "sm100" and cfg.acc_stages > 1:
+        # Double-buffered TMEM: the epilogue warps drain one accumulator
+        # while the MMA warp fills the next.
+        return max(0.0, s.epilogue - s.mainloop)
+    return EPILOGUE_EXPOSED * s.epilogue
+
+
+def _workers(free_n: int, late_n: int, start: float, late: float) -> np.ndarray:
+    return np.concatenate([np.full(free_n, start), np.full(late_n, late)])
+
+
+def _static(plan: _Plan, cfg: GemmConfig, dev: DeviceModel, start: float, ideal: float):
+    """Tile i to worker i mod W, W = clusters the whole GPU holds."""
+    w = plan.workers
+    ids = np.arange(w)
+    busy = np.zeros(w)
+    first = 0
+    for s in plan.segments:
+        last = first + s.tiles
+        count = _strided(last, ids, w) - _strided(first, ids, w)
+        busy += count * (s.mainloop + _exposed_epilogue(cfg, s) + STATIC_NEXT_US)
+        first = last
+    last_seg = plan.segments[-1]
+    busy += np.where(busy > 0, last_seg.epilogue - _exposed_epilogue(cfg, last_seg), 0.0)
+    resident = plan.free_workers
+    ends = start + busy
+    if resident < w:
+        # CTAs beyond the free SMs launch when an SM frees: the other kernel
+        # ends or a resident CTA exits.
+        late = min(ideal, float(ends[:resident].min())) + start
+        ends[resident:] = late + busy[resident:]
+    return float(ends.max()), ends
+
+
+def _strided(x: int, ids: np.ndarray, w: int) -> np.ndarray:
+    """How many of the indices [0, x) are congruent to each id mod w."""
+    return np.maximum(0, (x - ids + w - 1) // w)
+
+
+def _greedy(free: np.ndarray, n: int, cost: float) -> np.ndarray:
+    """Give `n` tiles of equal `cost` one by one to the earliest-free worker.
+
+    Worker w can start tiles at free[w] + j * cost; the n earliest of those
+    starts are the assignment. Writing free[w] = a[w] * cost + b[w], starts
+    order by (a[w] + j, b[w]): whole levels are counted in closed form and
+    the last partial level goes to the smallest offsets.
+    """
+    if n <= 0:
+        return free
+    a = np.floor(free / cost)
+    b = free - a * cost
+    order = np.argsort(a, kind="stable")
+    a_sorted = a[order]
+    csum = np.cumsum(a_sorted)
+    below = np.arange(1, len(a) + 1) * a_sorted - csum
+    j = int(np.searchsorted(below, n, side="right")) - 1
+    level = math.floor((n + csum[j]) / (j + 1))
+    count = np.maximum(0.0, level - a)
+    rest = n - int(count.sum())
+    if rest:
+        eligible = np.flatnonzero(a <= level)
+        pick = eligible[np.argsort(b[eligible], kind="stable")[:rest]]
+        count[pick] += 1
+    return free + count * cost
+
+
+def _event_sim(free: np.ndarray, segs, tail, depth: int, lat: float) -> np.ndarray:
+    """Tile by tile: claims are served in time order, `depth - 1` tiles ahead.
+
+    A worker's tile p is claimed when its tile p - depth + 1 starts (its first
+    tiles when it starts), and starts when both the previous tile is done and
+    the claim has come back.
+    """
+    costs = []
+    for s, t in zip(segs, tail, strict=True):
+        costs.extend([(s.mainloop, t, s.lead)] * s.tiles)
+    total = len(costs)
+    n = len(free)
+    busy_until = [float(x) for x in free]
+    starts: list[list[float]] = [[] for _ in range(n)]
+    # Claims issued at the same moment are served worker by worker, earlier
+    # queue positions first.
+    heap = [(busy_until[w], 0, w) for w in range(n)]
+    heapq.heapify(heap)
+    done = list(busy_until)
+    nxt = 0
+    while heap:
+        claim, _, w = heapq.heappop(heap)
+        if nxt >= total:
+            done[w] = max(busy_until[w], claim + lat)
+            continue
+        mainloop, exposed, lead = costs[nxt]
+        nxt += 1
+        mine = starts[w]
+        ready = claim + lat if mine else claim
+        begin = max(busy_until[w], ready)
+        mine.append(begin)
+        busy_until[w] = begin + mainloop + exposed
+        done[w] = busy_until[w]
+        # The claim for this worker's next tile, position len(mine).
+        if depth == 1:
+            again = begin + mainloop - lead
+        else:
+            again = mine[max(0, len(mine) - depth + 1)]
+        heapq.heappush(heap, (again, len(mine), w))
+    return np.array(done)
+
+
+def _drain_phantoms(free: np.ndarray, phantoms: int, real: int, cfg: GemmConfig,
+                    dev: DeviceModel, lat: float) -> np.ndarray:
+    """Clear the clusters of a padded CLC grid that lie past the real work.
+
+    Each phantom is launched (or claimed) only to find it has nothing to do.
+    With tail cancel, every one that does so also fires a capped burst of
+    cancels whose answers it never reads (seed 002).
+    """
+    per_event = 1
+    if cfg.tail_cancel:
+        per_event += next(
+            (budget for scale, budget in TAIL_CANCEL_TIERS if phantoms >= real * scale),
+            TAIL_CANCEL_DEFAULT,
+        )
+    return _greedy(free, _cdiv(phantoms, per_event), dev.cta_start_us + lat)
+
+
+def _reduction_us(p: Problem, cfg: GemmConfig, dev: DeviceModel) -> float:
+    """The split-K pass: read the fp32 partials, write the output once."""
+    moved = cfg.split_k * p.m * p.n * 4 + p.m * p.n * DTYPE_BYTES[p.dtype_out]
+    return dev.launch_us + moved / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
+
+
+def _baseline_dense(p: Problem, dev: DeviceModel) -> float:
+    best = math.inf
+    split_ks = (1, 2, 4) if p.m <= 128 else (1,)
+    for tile_m, tile_n, cluster_m, cluster_n, cta_group in _BASELINE_TILES[dev.arch]:
+        for split_k in split_ks:
+            for stages in (6, 5, 4, 3):
+                fields = dict(
+                    arch=dev.arch, scheduler="static_persistent", tile_m=tile_m, tile_n=tile_n,
+                    cluster_m=cluster_m, cluster_n=cluster_n, stages=stages, swizzle=4,
+                    split_k=split_k if tile_m <= 128 else 1,
+                )
+                if dev.arch == "sm100":
+                    fields.update(cta_group=cta_group, acc_stages=2)
+                try:
+                    cfg = GemmConfig(**fields)
+                    if smem_bytes(cfg, p.dtype_in) > dev.smem_per_sm:
+                        continue
+                    best = min(best, _predict(p, cfg, dev, 1.0)[0])
+                except InvalidConfig:
+                    continue
+                break  # the deepest pipeline that fits
+    if best == math.inf:
+        raise InvalidConfig(f"no standard kernel runs {p.label()}")
+    return best
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
