@@ -1,0 +1,566 @@
+"""The GPU measurement worker: one process, one CUDA context, JSON lines over pipes.
+
+A kernel that faults poisons the CUDA context of its process, so measurements
+run here and not in the tuner. The parent (`tuner.gpu`) writes one request per
+line to stdin and reads one reply per line; a reply with `fatal` set means the
+context is gone and the worker exits after sending it. Anything else printed
+(compilers, warnings) goes to stderr: stdout carries the protocol only.
+
+Requests: {"op": "hello"}, {"op": "compile", "configs": [...]},
+{"op": "measure", "problem": {...}, "config": {...} | null, "check": bool},
+{"op": "remeasure", "problem": {...}, "configs": [...], "check": [bool, ...],
+"rounds": int}. A null config is the cuBLAS baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+# A 16-bit-input GEMM accumulated in fp32 and rounded to a 16-bit output lands
+# near 1e-3..1e-2 relative Frobenius error against an fp32 reference (bf16
+# keeps 8 mantissa bits: one rounding of the output alone is ~2e-3); a wrong
+# tile, a missed K-block or an unwritten (NaN) tile is far above 2e-2.
+REL_ERR_LIMIT = {"bf16": 2e-2, "fp16": 2e-2}
+# Bytes a rotation must cover, as a multiple of L2, before a buffer set comes
+# round again: its operands are then out of the cache.
+ROTATION_L2_FACTOR = 2
+MAX_BUFFER_SETS = 256
+# Share of free device memory the rotation buffers may take.
+ROTATION_MEMORY_SHARE = 0.5
+# Timing plan: one graph replay (or event pair) spans at least this long, and
+# a measurement aims at TIMED_MS of replays, within [MIN_REPLAYS, MAX_REPLAYS].
+REPLAY_MS = 1.0
+TIMED_MS = 60.0
+MIN_REPLAYS = 5
+MAX_REPLAYS = 100
+MAX_LAUNCHES_PER_REPLAY = 256
+WARMUP_LAUNCHES = 3
+# L2 of an H100, when the device does not report it.
+DEFAULT_L2_BYTES = 50 * 1024 * 1024
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def set_bytes(problem: dict) -> int:
+    """Bytes of one set of operands (A, B, out) of `problem`."""
+    m, n, k, g = problem["m"], problem["n"], problem["k"], problem["groups"]
+    elem_in = _DTYPE_BYTES[problem["dtype_in"]]
+    elem_out = _DTYPE_BYTES[problem["dtype_out"]]
+    if problem.get("group_k"):
+        ks = sum(problem["group_k"])
+        return (m * ks + n * ks) * elem_in + g * m * n * elem_out
+    return (m * k + g * n * k) * elem_in + m * n * elem_out
+
+
+def rotation_count(bytes_per_set: int, l2_bytes: int, memory_bytes: int) -> int:
+    """Buffer sets to rotate through so that each launch finds its operands out of L2.
+
+    The smallest count whose total is ROTATION_L2_FACTOR x L2, at least 2 and
+    at most what `memory_bytes` holds (never fewer than 1).
+    """
+    if bytes_per_set <= 0:
+        raise ValueError("a buffer set has a positive size")
+    want = max(2, math.ceil(ROTATION_L2_FACTOR * l2_bytes / bytes_per_set))
+    fits = max(1, memory_bytes // bytes_per_set)
+    return min(want, fits, MAX_BUFFER_SETS)
+
+
+def plan(estimate_ms: float) -> tuple[int, int]:
+    """(launches per replay, replays) for a kernel that takes about `estimate_ms`."""
+    estimate_ms = max(estimate_ms, 1e-4)
+    launches = min(MAX_LAUNCHES_PER_REPLAY, max(1, math.ceil(REPLAY_MS / estimate_ms)))
+    replays = round(TIMED_MS / (launches * estimate_ms))
+    return launches, min(MAX_REPLAYS, max(MIN_REPLAYS, replays))
+
+
+def rel_error(out, ref) -> float:
+    """Relative Frobenius error; NaN or inf anywhere in `out` gives inf."""
+    import torch
+
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return math.inf
+    denom = torch.linalg.vector_norm(ref).item()
+    return torch.linalg.vector_norm(out - ref).item() / max(denom, 1e-30)
+
+
+# ---------------------------------------------------------------- operands
+
+
+@dataclass
+class _Operands:
+    """One buffer set; `args` is what a launch function receives."""
+
+    args: tuple
+    out: object  # the tensor a pool kernel writes (NaN-filled before a check)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _group_bounds(m: int, groups: int) -> list[int]:
+    """Equal MoE splits of m rows (the last group takes the remainder)."""
+    size = m // groups
+    return [size * i for i in range(groups)] + [m]
+
+
+def _make_operands(p: dict, gen) -> _Operands:
+    """Random operands scaled so that outputs are O(1): no 16-bit overflow."""
+    import torch
+
+    din, dout = _torch_dtype(p["dtype_in"]), _torch_dtype(p["dtype_out"])
+    m, n, g = p["m"], p["n"], p["groups"]
+
+    def rand(*shape, k):
+        t = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32)
+        return t.mul_(k ** -0.25).to(din)
+
+    if p.get("group_k"):
+        a = [rand(m, kg, k=kg) for kg in p["group_k"]]
+        b = [rand(n, kg, k=kg) if p["layout"] == "tn" else rand(kg, n, k=kg) for kg in p["group_k"]]
+        out = torch.empty(g, m, n, device="cuda", dtype=dout)
+        return _Operands((a, b, out), out)
+    k = p["k"]
+    a = rand(m, k, k=k)
+    if g > 1:
+        b = rand(g, n, k, k=k) if p["layout"] == "tn" else rand(g, k, n, k=k)
+        offs = torch.tensor(_group_bounds(m, g)[1:], device="cuda", dtype=torch.int32)
+        out = torch.empty(m, n, device="cuda", dtype=dout)
+        return _Operands((a, b, offs, out), out)
+    b = rand(n, k, k=k) if p["layout"] == "tn" else rand(k, n, k=k)
+    out = torch.empty(m, n, device="cuda", dtype=dout)
+    return _Operands((a, b, out), out)
+
+
+def _reference(p: dict, ops: _Operands):
+    """The fp32 product of `ops`, shaped like the output."""
+    import torch
+
+    def mm(a, b):
+        return a.float() @ (b.float().t() if p["layout"] == "tn" else b.float())
+
+    if p.get("group_k"):
+        a, b, _ = ops.args
+        return torch.stack([mm(x, y) for x, y in zip(a, b, strict=True)])
+    if p["groups"] > 1:
+        a, b, _, _ = ops.args
+        bounds = _group_bounds(p["m"], p["groups"])
+        return torch.cat([mm(a[s:e], b[i]) for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    a, b, _ = ops.args
+    return mm(a, b)
+
+
+def _baseline_launch(p: dict) -> Callable:
+    """The cuBLAS path (through torch) for `p`: a function of one operand set."""
+    import torch
+    import torch.nn.functional as F
+
+    din, dout = _torch_dtype(p["dtype_in"]), _torch_dtype(p["dtype_out"])
+    tn = p["layout"] == "tn"
+
+    def dense(a, b):
+        if dout == din:
+            return F.linear(a, b) if tn else torch.matmul(a, b)
+        return torch.mm(a, b.t() if tn else b, out_dtype=dout)
+
+    if p.get("group_k"):
+        def per_group_k(a, b, out):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                out[i].copy_(dense(x, y))
+            return out
+        return per_group_k
+    if p["groups"] > 1:
+        def grouped(a, b, offs, out):
+            return torch._grouped_mm(a, b.transpose(-2, -1) if tn else b, offs=offs, out_dtype=dout)
+        return grouped
+
+    def plain(a, b, out):
+        return dense(a, b)
+    return plain
+
+
+# ---------------------------------------------------------------- kernels
+
+
+_runners: dict[tuple, object] = {}
+
+
+def _pool_launch(cfg_dict: dict, p: dict) -> Callable:
+    from kernels.compile import get_kernel
+    from kernels.space import GemmConfig
+
+    cfg = GemmConfig.from_dict(cfg_dict)
+    cache_key = (cfg, p["dtype_in"], p["dtype_out"], p["layout"])
+    if cache_key not in _runners:
+        _runners[cache_key] = get_kernel(cfg, dtype_in=p["dtype_in"], dtype_out=p["dtype_out"],
+                                         layout=p["layout"])
+    runner = _runners[cache_key]
+
+    def launch(a, b, out):
+        runner(a, b, out)
+        return out
+    return launch
+
+
+def _compile(configs: list[dict]) -> dict:
+    """Compile ahead of measuring, in parallel where kernels.compile offers it."""
+    import kernels.compile as kc
+    from kernels.space import GemmConfig
+
+    cfgs = [GemmConfig.from_dict(c) for c in configs]
+    started = time.perf_counter()
+    if hasattr(kc, "compile_many"):
+        kc.compile_many(cfgs, workers=min(8, os.cpu_count() or 1))
+    return {"ok": True, "compiled": len(cfgs), "seconds": time.perf_counter() - started}
+
+
+# ---------------------------------------------------------------- timing
+
+
+class _Session:
+    """Operands of one problem: rotation sets and a cached correctness case."""
+
+    def __init__(self, p: dict, l2_bytes: int):
+        import torch
+
+        self.problem = p
+        free, _ = torch.cuda.mem_get_info()
+        self.count = rotation_count(set_bytes(p), l2_bytes, int(free * ROTATION_MEMORY_SHARE))
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(int.from_bytes(os.urandom(4), "little"))
+        self.sets = [_make_operands(p, gen) for _ in range(self.count)]
+        self._ref = None
+
+    def check(self, launch: Callable) -> float:
+        """Relative error of `launch` on set 0 (fresh random data, NaN-filled output)."""
+        import torch
+
+        ops = self.sets[0]
+        if self._ref is None:
+            self._ref = _reference(self.problem, ops)
+        ops.out.fill_(float("nan"))
+        got = launch(*ops.args)
+        torch.cuda.synchronize()
+        return rel_error(got, self._ref)
+
+
+class _Timer:
+    """A candidate ready to replay: a CUDA graph of `launches` calls, or plain launches."""
+
+    def __init__(self, launch: Callable, sets: list[_Operands]):
+        import torch
+
+        self._launch, self._sets = launch, sets
+        self._next = 0
+        for _ in range(WARMUP_LAUNCHES):
+            self._one()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = max(WARMUP_LAUNCHES, len(sets))
+        start.record()
+        for _ in range(n):
+            self._one()
+        end.record()
+        end.synchronize()
+        self.estimate_ms = start.elapsed_time(end) / n
+        self.launches, self.replays = plan(self.estimate_ms)
+        self.graph = self._capture()
+        self.mode = "graph" if self.graph is not None else "events"
+
+    def _one(self) -> None:
+        self._launch(*self._sets[self._next % len(self._sets)].args)
+        self._next += 1
+
+    def _capture(self):
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(self.launches):
+                    self._one()
+        except Exception as exc:  # a launcher that cannot be captured: time plain launches
+            print(f"graph capture failed, timing with events: {exc}", file=sys.stderr)
+            torch.cuda.synchronize()
+            return None
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph
+
+    def sample(self) -> tuple:
+        """Enqueue one timed replay; returns its (start, end) events."""
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for _ in range(self.launches):
+                self._one()
+        end.record()
+        return start, end
+
+    def per_launch(self, events: tuple) -> float:
+        return events[0].elapsed_time(events[1]) / self.launches
+
+
+def _held(p: dict):
+    from contextlib import nullcontext
+
+    if not p.get("carveout"):
+        return nullcontext({})
+    from tuner.carveout import hold_sms
+
+    return hold_sms(p["carveout"])
+
+
+def _time_interleaved(timers: list[_Timer], rounds: int, p: dict) -> tuple[list[list[float]], dict]:
+    import torch
+
+    samples: list[list[tuple]] = [[] for _ in timers]
+    with _held(p) as hold:
+        for _ in range(rounds):
+            for i, t in enumerate(timers):
+                samples[i].append(t.sample())
+    torch.cuda.synchronize()
+    times = [[t.per_launch(ev) for ev in evs] for t, evs in zip(timers, samples, strict=True)]
+    return times, dict(hold)
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Worker:
+    def __init__(self, device: int):
+        import torch
+
+        torch.cuda.set_device(device)
+        self.device = device
+        props = torch.cuda.get_device_properties(device)
+        self.props = props
+        self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+        self._session: _Session | None = None
+
+    def session(self, p: dict) -> _Session:
+        # Held SMs change the timing, not the operands: keep the buffers.
+        if self._session is None or _operands_of(self._session.problem) != _operands_of(p):
+            import torch
+
+            self._session = None  # free the previous problem's buffers first
+            torch.cuda.empty_cache()
+            self._session = _Session(p, self.l2_bytes)
+        return self._session
+
+    def hello(self, _req: dict) -> dict:
+        import torch
+
+        p = self.props
+        return {
+            "ok": True, "device_name": p.name, "capability": [p.major, p.minor],
+            "sm_count": p.multi_processor_count, "l2_bytes": self.l2_bytes,
+            "versions": versions(p.name), "torch_cuda": torch.version.cuda,
+        }
+
+    def _launch(self, cfg: dict | None, p: dict) -> Callable:
+        return _baseline_launch(p) if cfg is None else _pool_launch(cfg, p)
+
+    def measure(self, req: dict) -> dict:
+        return self._run(req["problem"], [req["config"]], [req.get("check", True)], rounds=None)[0]
+
+    def remeasure(self, req: dict) -> dict:
+        checks = req.get("check") or [True] * len(req["configs"])
+        return {"ok": True, "results": self._run(req["problem"], req["configs"], checks,
+                                                  rounds=req.get("rounds", 5))}
+
+    def _run(self, p: dict, cfgs: list, checks: list[bool], rounds: int | None) -> list[dict]:
+        """Check, then time `cfgs` on `p`; a failure of one candidate leaves the others."""
+        s = self.session(p)
+        results: list[dict | None] = [None] * len(cfgs)
+        timers: list[tuple[int, _Timer]] = []
+        for i, (cfg, check) in enumerate(zip(cfgs, checks, strict=True)):
+            detail: dict = {}
+            try:
+                started = time.perf_counter()
+                launch = self._launch(cfg, p)
+                detail["prepare_s"] = round(time.perf_counter() - started, 3)
+                err = None
+                if check:
+                    err = s.check(launch)
+                    limit = REL_ERR_LIMIT[p["dtype_in"]]
+                    if not err <= limit:
+                        results[i] = _reply(False, error=f"wrong result: relative error {err:.3g} > {limit}",
+                                            rel_err=_finite(err), detail=detail)
+                        continue
+                timers.append((i, _Timer(launch, s.sets)))
+                results[i] = _reply(True, rel_err=_finite(err), detail=detail)
+            except Exception as exc:
+                _raise_if_poisoned(exc)
+                results[i] = _reply(False, error=_describe(exc), detail=detail)
+        if timers:
+            n = rounds or max(t.replays for _, t in timers)
+            times, hold = _time_interleaved([t for _, t in timers], n, p)
+            lapse = _hold_lapse(hold, p)
+            for (i, t), ts in zip(timers, times, strict=True):
+                if lapse:
+                    results[i].update(ok=False, error=lapse)
+                ms = statistics.median(ts)
+                results[i]["ms"] = ms
+                results[i]["detail"].update(
+                    timing=t.mode, launches=t.launches, replays=len(ts), buffer_sets=s.count,
+                    min_ms=min(ts), tflops=_flops(p) / ms / 1e9, **hold,
+                )
+        return results
+
+
+def _hold_lapse(hold: dict, p: dict) -> str | None:
+    """Why the SM hold did not cover the timed replays, or None."""
+    if not p.get("carveout"):
+        return None
+    from tuner.carveout import SM_REGISTERS
+
+    if hold["resident"] != p["carveout"] or hold["expired"]:
+        return (f"SM hold failed: {hold['resident']} of {p['carveout']} spinning CTAs resident, "
+                f"{hold['expired']} ran out of time")
+    if hold["registers"] < SM_REGISTERS:
+        return f"SM hold not exclusive: a spinning CTA takes {hold['registers']} of {SM_REGISTERS} registers"
+    return None
+
+
+def _operands_of(p: dict) -> dict:
+    return {k: v for k, v in p.items() if k != "carveout"}
+
+
+def _flops(p: dict) -> float:
+    ks = sum(p["group_k"]) if p.get("group_k") else p["k"]
+    return 2.0 * p["m"] * p["n"] * ks
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is None or math.isfinite(x) else None
+
+
+def _reply(ok: bool, *, error: str | None = None, rel_err: float | None = None,
+           detail: dict | None = None, ms: float | None = None) -> dict:
+    return {"ok": ok, "ms": ms, "error": error, "rel_err": rel_err, "detail": detail or {}}
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text[:2000]
+
+
+class _Poisoned(Exception):
+    """The CUDA context is unusable: reply, then exit so the parent restarts us."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(_describe(cause))
+
+
+def _raise_if_poisoned(exc: BaseException) -> None:
+    """After a failure, see whether the context still works; a fault makes every later call fail."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+    except Exception:
+        raise _Poisoned(exc) from exc
+
+
+def versions(device_name: str) -> dict[str, str]:
+    import torch
+    from importlib import metadata
+
+    try:
+        dsl = metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        dsl = "absent"
+    return {
+        "cutlass-dsl": dsl, "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+        "driver": _driver_version(), "device": device_name,
+    }
+
+
+def _driver_version() -> str:
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        buf = ctypes.create_string_buffer(96)
+        if nvml.nvmlInit_v2() == 0 and nvml.nvmlSystemGetDriverVersion(buf, len(buf)) == 0:
+            return buf.value.decode()
+    except OSError:
+        pass
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        if cuda.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            return f"cuda-{v.value // 1000}.{v.value % 1000 // 10}"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def serve(worker: Worker, lines, reply: Callable[[dict], None]) -> None:
+    ops = {"hello": worker.hello, "measure": worker.measure, "remeasure": worker.remeasure,
+           "compile": lambda req: _compile(req["configs"])}
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            handler = ops.get(req.get("op"))
+            if handler is None:
+                reply({"ok": False, "error": f"unknown op {req.get('op')!r}"})
+                continue
+            reply(handler(req))
+        except _Poisoned as exc:
+            reply({"ok": False, "error": f"CUDA context lost: {exc}", "fatal": True})
+            return
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            try:
+                _raise_if_poisoned(exc)
+            except _Poisoned:
+                reply({"ok": False, "error": f"CUDA context lost: {_describe(exc)}", "fatal": True})
+                return
+            reply({"ok": False, "error": _describe(exc)})
+
+
+def _protocol_channel():
+    """Keep the real stdout for replies; send everything else printed to stderr."""
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    out = os.fdopen(fd, "w", buffering=1)
+
+    def reply(msg: dict) -> None:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+    return reply
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", type=int, default=0)
+    args = parser.parse_args(argv)
+    reply = _protocol_channel()
+    worker = Worker(args.device)
+    serve(worker, sys.stdin, reply)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""The `gpu` backend: time kernels of the pool and cuBLAS on the local GPU.
+
+Every measurement runs in a worker process (`tuner._gpu_worker`) that owns the
+CUDA context. A kernel that faults poisons that context and a kernel that
+hangs never returns, so this side never touches CUDA: it sends JSON requests,
+waits at most `timeout_s` for each reply, and on a crash, a lost context or a
+timeout records the measurement as failed, kills the worker and starts a new
+one for the next request. The tuning run goes on.
+
+The worker checks a config once per (config, problem) against an fp32
+reference (relative Frobenius error, limit 2e-2 for 16-bit inputs: see
+`tuner._gpu_worker.REL_ERR_LIMIT`), then times it: warm-up, a CUDA graph of
+back-to-back launches replayed many times (CUDA events around plain launches
+when a launcher cannot be captured), operands rotated through buffer sets
+twice the size of L2 so that every launch reads from DRAM, median per launch.
+With `problem.carveout` set, a spinning kernel holds that many SMs while the
+timed replays run (`tuner.carveout`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from kernels.space import GemmConfig, InvalidConfig, check_problem
+from tuner.key import Key, Problem
+from tuner.measure import Measurement
+
+# A request's reply must come within this many seconds (compile + check +
+# timing of one config take a few seconds; a hung kernel never replies).
+DEFAULT_TIMEOUT_S = 60.0
+# Starting a worker imports torch and creates a CUDA context.
+START_TIMEOUT_S = 180.0
+# Interleaved rounds of `remeasure`: each round replays every candidate once.
+REMEASURE_ROUNDS = 15
+# Compute capability each arch's kernels need.
+_CAPABILITY = {"sm90": (9, 0), "sm100": (10, 0)}
+_STDERR_LINES = 40
+GROUPED_NOT_IN_POOL = "grouped GEMM not in the pool yet"
+
+
+class GpuUnavailable(RuntimeError):
+    """No usable GPU of the requested arch here."""
+
+
+class WorkerLost(RuntimeError):
+    """The worker died, lost its CUDA context, or missed its deadline."""
+
+
+def problem_to_json(p: Problem) -> dict:
+    d = asdict(p)
+    d["group_k"] = list(p.group_k)
+    return d
+
+
+def measurement_from_json(reply: dict) -> Measurement:
+    return Measurement(
+        ms=reply.get("ms"), ok=bool(reply.get("ok")) and reply.get("ms") is not None,
+        error=reply.get("error"), rel_err=reply.get("rel_err"), detail=reply.get("detail") or {},
+    )
+
+
+def _failed(error: str) -> Measurement:
+    return Measurement(ms=None, ok=False, error=error)
+
+
+class WorkerProcess:
+    """A subprocess speaking one JSON object per line on stdin / stdout.
+
+    `call` never raises for a worker failure: a crash, a reply marked `fatal`
+    or a missed deadline kills the process and raises WorkerLost once; the
+    next call starts a fresh process (counted in `restarts`).
+    """
+
+    def __init__(self, argv: list[str], *, env: dict[str, str] | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S):
+        self.argv = list(argv)
+        self.env = env
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0
+        self.hello: dict | None = None
+        self._proc: subprocess.Popen | None = None
+        self._buf = b""
+        self._stderr: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
+        self._started_once = False
+        self._stderr_thread: threading.Thread | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> dict:
+        """Start the process if needed; returns its reply to `hello`."""
+        if self.alive and self.hello is not None:
+            return self.hello
+        self.kill()
+        if self._started_once:
+            self.restarts += 1
+        self._started_once = True
+        self._buf = b""
+        self._stderr.clear()
+        self._proc = subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=self.env, close_fds=True,
+        )
+        self._stderr_thread = threading.Thread(target=self._drain_stderr, args=(self._proc,), daemon=True)
+        self._stderr_thread.start()
+        reply = self._exchange({"op": "hello"}, self.start_timeout_s)
+        if not reply.get("ok"):
+            self.kill()
+            raise WorkerLost(f"worker did not start: {reply.get('error')}")
+        self.hello = reply
+        return reply
+
+    def call(self, msg: dict, timeout_s: float) -> dict:
+        """Send `msg`, return the reply; raise WorkerLost if the worker is gone."""
+        self.start()
+        return self._exchange(msg, timeout_s)
+
+    def _exchange(self, msg: dict, timeout_s: float) -> dict:
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None
+        try:
+            proc.stdin.write((json.dumps(msg) + "\n").encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._lose("the worker exited")
+        line = self._read_line(timeout_s)
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            self._lose(f"unreadable reply {line[:200]!r}")
+        if reply.get("fatal"):
+            self._lose(reply.get("error") or "the worker lost its CUDA context", wait=True)
+        return reply
+
+    def _read_line(self, timeout_s: float) -> bytes:
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._lose(f"no reply within {timeout_s:.0f} s (hung kernel?)")
+                if not sel.select(left):
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self._lose("the worker exited", wait=True)
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def _lose(self, reason: str, wait: bool = False) -> None:
+        proc = self._proc
+        if wait and proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        code = proc.poll() if proc is not None else None
+        self.kill()
+        if self._stderr_thread is not None:
+            self._stderr_thread.join(timeout=2)
+        tail = self.stderr_tail()
+        text = reason + (f" (exit code {code})" if code not in (None, 0) else "")
+        raise WorkerLost(text + (f"; stderr: {tail}" if tail else ""))
+
+    def stderr_tail(self, lines: int = 6) -> str:
+        return " | ".join(list(self._stderr)[-lines:])
+
+    def _drain_stderr(self, proc: subprocess.Popen) -> None:
+        # Reading stderr keeps the pipe from filling (compilers are chatty);
+        # the last lines explain a crash.
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            text = raw.decode(errors="replace").rstrip()
+            if text:
+                self._stderr.append(text)
+
+    def kill(self) -> None:
+        proc, self._proc = self._proc, None
+        self.hello = None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+def worker_argv(device_index: int) -> list[str]:
+    return [sys.executable, "-m", "tuner._gpu_worker", "--device", str(device_index)]
+
+
+def _worker_env() -> dict[str, str]:
+    # The worker imports this project as the parent does, installed or not.
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+class GpuBackend:
+    """Measure pool configs and cuBLAS on GPU `device_index` (see the module doc)."""
+
+    name = "gpu"
+
+    def __init__(self, arch: str = "sm90", device_index: int = 0, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, argv: list[str] | None = None):
+        if arch not in _CAPABILITY:
+            raise GpuUnavailable(f"unknown arch {arch!r}")
+        self.arch = arch
+        self.timeout_s = timeout_s
+        self._worker = WorkerProcess(argv or worker_argv(device_index), env=_worker_env())
+        try:
+            hello = self._worker.start()
+        except (WorkerLost, OSError) as exc:
+            raise GpuUnavailable(str(exc)) from exc
+        capability = tuple(hello["capability"])
+        if capability[0] != _CAPABILITY[arch][0]:
+            self._worker.kill()
+            raise GpuUnavailable(
+                f"{hello['device_name']} is sm_{capability[0]}{capability[1]}; it cannot run {arch} kernels"
+            )
+        self.device_name: str = hello["device_name"]
+        self.sm_count: int = hello["sm_count"]
+        self._versions: dict[str, str] = dict(hello["versions"])
+        self._verified: set[tuple[str, Problem]] = set()
+
+    @property
+    def restarts(self) -> int:
+        return self._worker.restarts
+
+    def versions(self) -> dict[str, str]:
+        return dict(self._versions)
+
+    def close(self) -> None:
+        self._worker.kill()
+
+    def __enter__(self) -> "GpuBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def prepare(self, cfgs: list[GemmConfig]) -> Measurement:
+        """Compile `cfgs` ahead of measuring them (in parallel where the pool allows)."""
+        if not cfgs:
+            return Measurement(ms=0.0, ok=True)
+        try:
+            reply = self._worker.call({"op": "compile", "configs": [c.to_dict() for c in cfgs]},
+                                      self.timeout_s * max(1, len(cfgs)))
+        except WorkerLost as exc:
+            return _failed(str(exc))
+        return Measurement(ms=None, ok=bool(reply.get("ok")), error=reply.get("error"),
+                           detail={k: v for k, v in reply.items() if k not in ("ok", "error")})
+
+    def measure(self, key: Key, cfg: GemmConfig) -> Measurement:
+        refusal = self._refuse(key, cfg)
+        if refusal:
+            return _failed(refusal)
+        return self._measure_one(key, cfg)
+
+    def baseline(self, key: Key) -> Measurement:
+        refusal = self._refuse(key, None)
+        if refusal:
+            return _failed(refusal)
+        return self._measure_one(key, None)
+
+    def remeasure(self, key: Key, cfgs: list[GemmConfig | None],
+                  rounds: int = REMEASURE_ROUNDS) -> list[Measurement]:
+        """Time `cfgs` (None = cuBLAS) round robin, `rounds` replays each; medians."""
+        refusals = [self._refuse(key, cfg) for cfg in cfgs]
+        runnable = [i for i, r in enumerate(refusals) if not r]
+        out = [_failed(r) if r else None for r in refusals]
+        if runnable:
+            p = key.problem
+            msg = {
+                "op": "remeasure", "problem": problem_to_json(p), "rounds": rounds,
+                "configs": [_cfg_json(cfgs[i]) for i in runnable],
+                "check": [not self._is_verified(cfgs[i], p) for i in runnable],
+            }
+            try:
+                reply = self._worker.call(msg, self.timeout_s * len(runnable))
+                results = reply.get("results") or [reply] * len(runnable)
+                got = [measurement_from_json(r) for r in results]
+            except WorkerLost as exc:
+                got = [_failed(str(exc))] * len(runnable)
+            for i, m in zip(runnable, got, strict=True):
+                out[i] = m
+                self._note(cfgs[i], p, m)
+        return out
+
+    def _measure_one(self, key: Key, cfg: GemmConfig | None) -> Measurement:
+        p = key.problem
+        msg = {"op": "measure", "problem": problem_to_json(p), "config": _cfg_json(cfg),
+               "check": not self._is_verified(cfg, p)}
+        try:
+            m = measurement_from_json(self._worker.call(msg, self.timeout_s))
+        except WorkerLost as exc:
+            m = _failed(str(exc))
+        self._note(cfg, p, m)
+        return m
+
+    def _refuse(self, key: Key, cfg: GemmConfig | None) -> str | None:
+        """Why `cfg` cannot be measured for `key` here, or None."""
+        p = key.problem
+        if key.arch != self.arch:
+            return f"key is for {key.arch}; this backend measures {self.arch}"
+        if key.device != self.device_name:
+            return f"key is for {key.device!r}; this GPU is {self.device_name!r}"
+        if p.carveout >= self.sm_count:
+            return f"cannot hold {p.carveout} of {self.sm_count} SMs"
+        if cfg is None:
+            return None
+        if cfg.arch != self.arch:
+            return f"config is for {cfg.arch}; this backend measures {self.arch}"
+        if p.groups > 1:
+            return GROUPED_NOT_IN_POOL
+        try:
+            check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+        except InvalidConfig as exc:
+            return f"invalid for this problem: {exc}"
+        return None
+
+    def _is_verified(self, cfg: GemmConfig | None, p: Problem) -> bool:
+        return (_cfg_name(cfg), p) in self._verified
+
+    def _note(self, cfg: GemmConfig | None, p: Problem, m: Measurement) -> None:
+        if m.ok:
+            self._verified.add((_cfg_name(cfg), p))
+
+
+def _cfg_json(cfg: GemmConfig | None) -> dict | None:
+    return None if cfg is None else cfg.to_dict()
+
+
+def _cfg_name(cfg: GemmConfig | None) -> str:
+    return "cublas" if cfg is None else cfg.name()
