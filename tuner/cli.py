@@ -177,6 +177,29 @@ def shapes_(
         console.print(f"wrote {output}")
 
 
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on."),
+    workers: int = typer.Option(1, min=1, max=64, help="Server processes sharing the port."),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Serve the stored winners over HTTP (OpenAPI at /docs)."""
+    import os
+
+    import uvicorn
+
+    from db.engine import ENV_VAR, resolve_url
+
+    # Every worker process builds its own app from the factory and finds the
+    # database through the environment.
+    os.environ[ENV_VAR] = resolve_url(db)
+    uvicorn.run(
+        "service.app:create_app", factory=True, host=host, port=port, workers=workers,
+        access_log=False, log_level="warning",
+    )
+
+
 def _winners_table(rows, title: str) -> Table:
     scheds = [s for s in SCHEDULERS if any(s in w.best_by_scheduler for w in rows)]
     table = Table(title=title)
