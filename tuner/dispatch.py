@@ -1,0 +1,366 @@
+"""In-process dispatch: `gemm(a, b)` runs the stored winner for its key.
+
+Convention: `gemm(a, b)` computes y = a @ b with a (M, K) row-major and b the
+(K, N) matrix of the product. How b is stored gives the layout of the key:
+
+- b a transposed view of a contiguous (N, K) weight (`W.t()`, stride (1, K)),
+  as `nn.Linear` keeps W: layout "tn", and `gemm(x, W.t())` equals
+  `F.linear(x, W)`;
+- b contiguous (K, N): layout "nn".
+
+Grouped (MoE) form: `offs` holds the cumulative row ends of G groups of a
+(int32, as `torch._grouped_mm` takes them) and b is (G, K, N), by the same
+two conventions per group. The pool has no grouped kernel yet, so grouped
+calls run `torch._grouped_mm`; `explain` says so.
+
+The winner for a key is the exact key's, else the nearest tuned M's
+(`tuner.lookup`). cuBLAS (through torch) runs instead when the tensors are on
+the CPU, their dtypes or strides are not the pool's, a pointer is not 16-byte
+aligned, the shape breaks the pool's operand rules, no winner exists, cuBLAS
+won the tuning, or the winner is stale (measured under other software
+versions). Every fallback but the cuBLAS winner warns once per reason and key.
+
+A decision is made once per key and kept in the process: later calls cost a
+few attribute checks and a dict lookup, never a database query. Winners
+stored after a decision are seen after `configure()`. The winner's kernel is
+built on the first `gemm` call of its key (`explain` builds nothing); one
+that fails to build falls back like the cases above. A key first met during
+CUDA graph capture runs cuBLAS for that call (the database is not read while
+capturing): call once before capturing, as capture needs a warm-up anyway.
+
+Forward only: the op has no autograd formula.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from kernels.space import DTYPES_IN, DTYPES_OUT, InvalidConfig
+
+# Compute capability major -> pool arch.
+_ARCHS = {9: "sm90", 10: "sm100"}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_ALIGN = 16
+
+KERNEL = "kernel"
+TORCH = "torch"
+
+
+class FallbackWarning(UserWarning):
+    """gemm ran torch instead of the tuned choice; the message says why."""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Which path `gemm` takes for a call, and why.
+
+    `path` is "kernel" (a tuned kernel of the pool) or "torch" (cuBLAS on
+    CUDA). `fallback` is True when torch runs although the tuning did not
+    choose it. `exact` is None when no winner was consulted; `tuned_m` is the
+    M the winner was tuned at (not the call's M on a nearest-M match).
+    """
+
+    path: str
+    reason: str
+    fallback: bool = True
+    key: str | None = None
+    config_name: str | None = None
+    exact: bool | None = None
+    tuned_m: int | None = None
+    stale: bool = False
+
+
+@dataclass(frozen=True)
+class _Decision:
+    explanation: Explanation
+    config: object = None  # the winner's GemmConfig on the kernel path
+    runner: Callable | None = None  # built on the first call, not by explain
+
+
+class _State:
+    def __init__(self) -> None:
+        self.url: str | None = None
+        self.store = None
+        self.decisions: dict[tuple, _Decision] = {}
+        self.warned: set[tuple[str, str]] = set()
+        self.lock = threading.Lock()
+
+
+_state = _State()
+
+
+def configure(db: str | None = None) -> None:
+    """Read winners from `db` (URL or SQLite path; None: $TUNER_DB, else the
+    default file) and forget every decision made so far."""
+    with _state.lock:
+        if _state.store is not None:
+            _state.store.close()
+        _state.url, _state.store = db, None
+        _state.decisions.clear()
+        _state.warned.clear()
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
+         offs: torch.Tensor | None = None) -> torch.Tensor:
+    """y = a @ b by the tuned kernel for the key (see the module doc for the
+    layout convention), into `out` when given (its dtype is then the output
+    dtype; otherwise a's)."""
+    # Eager calls skip the op dispatcher (several microseconds per call);
+    # compiled graphs see the registered op.
+    if torch.compiler.is_compiling():
+        if out is None:
+            return torch.ops.gemm_tuner.gemm(a, b, offs)
+        torch.ops.gemm_tuner.gemm_out(a, b, out, offs)
+        return out
+    return _run(a, b, out, offs)
+
+
+def explain(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
+            offs: torch.Tensor | None = None) -> Explanation:
+    """What `gemm(a, b, out, offs=offs)` runs, without running (or building) it."""
+    _check_shapes(a, b, out, offs)
+    layout, b_stored = _layout(b)
+    return _decision(a, b, b_stored, out, offs, layout, build=False).explanation
+
+
+def explain_key(key) -> Explanation:
+    """What `gemm` runs for a `tuner.key.Key` on a device of that arch and
+    name, under this process's software versions. Reads the store every time."""
+    return _choose(key)[0]
+
+
+# ---------------------------------------------------------------- the call
+
+
+def _run(a, b, out, offs):
+    _check_shapes(a, b, out, offs)
+    layout, b_stored = _layout(b)
+    decision = _decision(a, b, b_stored, out, offs, layout)
+    if decision.runner is None:
+        if decision.explanation.fallback:
+            _warn_once(decision.explanation.reason, _label(a, b, out, offs, layout))
+        return _torch_gemm(a, b, out, offs)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[-1]), dtype=a.dtype, device=a.device)
+    decision.runner(a, b_stored, out)
+    return out
+
+
+def _decision(a, b, b_stored, out, offs, layout, build: bool = True) -> _Decision:
+    """The cached decision for this call's key; `build` compiles a kernel winner's runner."""
+    dtype_out = a.dtype if out is None else out.dtype
+    din, dout = _DTYPE_NAMES.get(a.dtype), _DTYPE_NAMES.get(dtype_out)
+    reason = _tensor_reason(a, b, b_stored, out, layout, din, dout)
+    if reason is not None:
+        return _Decision(Explanation(TORCH, reason))
+    groups = 1 if offs is None else b.shape[0]
+    cache_key = (a.device.index, din, dout, layout, a.shape[0], b.shape[-1], a.shape[1], groups)
+    decision = _state.decisions.get(cache_key)
+    if decision is not None and (decision.runner is not None or decision.config is None or not build):
+        return decision
+    if torch.cuda.is_current_stream_capturing():
+        return _Decision(Explanation(
+            TORCH, "first call for this key came during CUDA graph capture: call once before capturing"))
+    with _state.lock:
+        decision = _state.decisions.get(cache_key) or _Decision(*_choose_on_device(*cache_key))
+        if build and decision.config is not None and decision.runner is None:
+            decision = _build(decision, din, dout, layout)
+        _state.decisions[cache_key] = decision
+    return decision
+
+
+def _layout(b: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
+    """("tn", the (.., N, K) storage) or ("nn", b) or (None, None) for other strides."""
+    if b.stride()[-2:] == (1, b.shape[-2]) and b.mT.is_contiguous():
+        return "tn", b.mT
+    if b.is_contiguous():
+        return "nn", b
+    return None, None
+
+
+def _tensor_reason(a, b, b_stored, out, layout, din, dout) -> str | None:
+    """Why these tensors cannot go to a pool kernel, or None."""
+    if not a.is_cuda:
+        return f"tensors on {a.device.type}: the pool runs on CUDA devices"
+    if din not in DTYPES_IN or b.dtype != a.dtype:
+        return f"input dtypes {a.dtype}, {b.dtype}: the pool takes one of {DTYPES_IN} for both"
+    if dout not in DTYPES_OUT:
+        return f"output dtype {out.dtype}: the pool writes one of {DTYPES_OUT}"
+    if layout is None:
+        return f"b has strides {tuple(b.stride())}: neither a (K, N) nor a transposed (N, K) contiguous matrix"
+    if not a.is_contiguous() or out is not None and not out.is_contiguous():
+        return "a or out is not contiguous"
+    for name, t in (("a", a), ("b", b_stored), ("out", out)):
+        if t is not None and t.data_ptr() % _ALIGN:
+            return f"{name} is not {_ALIGN}-byte aligned (TMA needs {_ALIGN}-byte aligned operands)"
+    return None
+
+
+def _choose_on_device(device_index, din, dout, layout, m, n, k, groups) -> tuple[Explanation, object]:
+    from tuner.key import Key, Problem
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    arch = _ARCHS.get(major)
+    if arch is None:
+        return Explanation(TORCH, f"compute capability {major}.{minor}: no kernel pool for it"), None
+    try:
+        problem = Problem(m, n, k, groups, din, dout, layout)
+    except InvalidConfig as exc:
+        return Explanation(TORCH, f"shape outside the pool's operand rules: {exc}"), None
+    return _choose(Key(arch, torch.cuda.get_device_name(device_index), problem))
+
+
+def _choose(key) -> tuple[Explanation, object]:
+    """The rule: the key's winner (exact, else nearest M) if it is current and
+    can run the shape; torch otherwise. Returns the explanation and the config."""
+    from kernels.space import GemmConfig, check_problem
+    from tuner.lookup import lookup
+
+    name, p = key.study_name(), key.problem
+    if p.groups > 1:
+        return Explanation(TORCH, "grouped GEMM runs torch._grouped_mm: no grouped kernel in the pool", key=name), None
+    store = _store()
+    if store is None:
+        return Explanation(TORCH, f"no winners database at {_sqlite_path(_state.url)}", key=name), None
+    current = _versions(key.device)
+    found = lookup(store, key, current)
+    if found is None:
+        return Explanation(TORCH, "no tuned winner for this key or any M of its (N, K)", key=name), None
+    w = found.winner
+    seen = dict(key=name, config_name=w.config_name, exact=found.exact, tuned_m=found.tuned_m, stale=found.stale)
+    if w.config is None:
+        return Explanation(TORCH, "cuBLAS won the tuning for this key", fallback=False, **seen), None
+    if found.stale:
+        changed = sorted(f for f in set(w.versions) | set(current) if w.versions.get(f) != current.get(f))
+        return Explanation(TORCH, f"winner is stale: measured under other {', '.join(changed)} versions", **seen), None
+    try:
+        cfg = GemmConfig.from_dict(w.config)
+        check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+    except (InvalidConfig, TypeError) as exc:
+        return Explanation(TORCH, f"winner {w.config_name} cannot run this shape: {exc}", **seen), None
+    how = "exact key" if found.exact else f"nearest tuned M={found.tuned_m}"
+    return Explanation(KERNEL, f"tuned winner ({how})", fallback=False, **seen), cfg
+
+
+def _build(decision: _Decision, din: str, dout: str, layout: str) -> _Decision:
+    """`decision` with its runner, or a torch decision saying why the kernel did not build."""
+    try:
+        from kernels.compile import get_kernel
+
+        runner = get_kernel(decision.config, dtype_in=din, dtype_out=dout, layout=layout)
+    except Exception as exc:  # a kernel that fails to build must not break the caller: torch runs
+        why = f"winner {decision.explanation.config_name} failed to build: {type(exc).__name__}: {exc}"
+        return _Decision(replace(decision.explanation, path=TORCH, reason=why, fallback=True))
+    return replace(decision, runner=runner)
+
+
+def _store():
+    """The reader store, opened on first use; None when its SQLite file does not exist
+    (opening would create an empty one)."""
+    if _state.store is None:
+        from db.engine import resolve_url
+        from db.store import Store
+
+        path = _sqlite_path(_state.url)
+        if path is not None and not path.exists():
+            return None
+        _state.store = Store(resolve_url(_state.url), writer=False)
+    return _state.store
+
+
+def _sqlite_path(url: str | None) -> Path | None:
+    from sqlalchemy.engine import make_url
+
+    from db.engine import resolve_url
+
+    parsed = make_url(resolve_url(url))
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+@functools.cache
+def _versions(device_name: str) -> dict[str, str]:
+    from tuner._gpu_worker import versions
+
+    return versions(device_name)
+
+
+def _warn_once(reason: str, label: str) -> None:
+    if (reason, label) in _state.warned:
+        return
+    _state.warned.add((reason, label))
+    warnings.warn(f"gemm {label}: torch runs instead of a tuned kernel: {reason}", FallbackWarning, stacklevel=4)
+
+
+def _label(a, b, out, offs, layout) -> str:
+    dtype_out = a.dtype if out is None else out.dtype
+    names = [str(t).removeprefix("torch.") for t in (a.dtype, b.dtype, dtype_out)]
+    groups = "" if offs is None else f" g{b.shape[0]}"
+    return (f"{a.shape[0]}x{b.shape[-1]}x{a.shape[1]}{groups} {names[0]},{names[1]}>{names[2]} "
+            f"{layout or 'strided'} on {a.device}")
+
+
+def _check_shapes(a, b, out, offs) -> None:
+    dims = 2 if offs is None else 3
+    if a.dim() != 2 or b.dim() != dims:
+        raise ValueError(f"gemm takes a 2-D a and a {dims}-D b, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[-2]:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)}: inner dimensions differ")
+    if offs is not None and offs.shape != (b.shape[0],):
+        raise ValueError(f"offs {tuple(offs.shape)} must hold one row end per group of b ({b.shape[0]})")
+    if out is not None and out.shape != (a.shape[0], b.shape[-1]):
+        raise ValueError(f"out {tuple(out.shape)} must be {(a.shape[0], b.shape[-1])}")
+
+
+# ---------------------------------------------------------------- cuBLAS
+
+
+def _torch_gemm(a, b, out, offs):
+    if out is None:
+        return _torch_product(a, b, offs, a.dtype)
+    if offs is None and out.dtype == a.dtype:
+        return torch.mm(a, b, out=out)
+    return out.copy_(_torch_product(a, b, offs, out.dtype))
+
+
+def _torch_product(a, b, offs, dtype_out):
+    def mm(x, y, **kw):
+        return torch.mm(x, y, **kw) if offs is None else torch._grouped_mm(x, y, offs=offs, **kw)
+
+    if dtype_out == a.dtype:
+        return mm(a, b)
+    if a.is_cuda and dtype_out == torch.float32:
+        return mm(a, b, out_dtype=dtype_out)
+    # Mixed dtypes torch has no kernel for (and every mixed case on the CPU): in fp32.
+    return mm(a.float(), b.float()).to(dtype_out)
+
+
+# ---------------------------------------------------------------- the op
+
+
+@torch.library.custom_op("gemm_tuner::gemm", mutates_args=())
+def _gemm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _run(a, b, None, offs)
+
+
+@_gemm_op.register_fake
+def _(a, b, offs=None):
+    return a.new_empty((a.shape[0], b.shape[-1]))
+
+
+@torch.library.custom_op("gemm_tuner::gemm_out", mutates_args=("out",))
+def _gemm_out_op(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offs: Optional[torch.Tensor] = None) -> None:
+    _run(a, b, out, offs)
+
+
+@_gemm_out_op.register_fake
+def _(a, b, out, offs=None):
+    return None
