@@ -1,0 +1,205 @@
+"""Shape files: the GEMM keys a model needs, one line each.
+
+A line is
+
+    M[,M...]  N  K[,K...]  [groups=G] [dtype=bf16] [dtype_out=bf16] [layout=tn] [held=S] [name=TEXT]
+
+- Several comma-separated M values expand to one key each (the batch sizes
+  a deployment sees for one weight).
+- Several comma-separated K values describe seed 000's grouped form: G
+  problems of M x N, each with its own K (groups must equal their count).
+- `groups=G` alone is the MoE form: M is the total rows split over G experts.
+- `dtype` is the input dtype (bf16, fp16), `dtype_out` the output dtype
+  (default: the input's), `layout` "tn" (y = x @ W.T, W stored (N, K) as
+  nn.Linear keeps it) or "nn" (y = a @ b, b stored (K, N)).
+- `held=S`: S SMs are held by another kernel while the GEMM runs (seed 003).
+- `#` starts a comment; blank lines are ignored.
+
+A bad line raises ShapeFileError reading `FILE:LINE: what is wrong`; the
+whole file is parsed before anything is tuned, so a bad line stores nothing.
+A shape file name that is not an existing path is looked up among the files
+shipped in `tuner/data/` (so `--shapes gemma3.txt` works from anywhere).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels.space import DTYPES_IN, DTYPES_OUT, LAYOUTS
+from tuner.key import Problem
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+_OPTIONS = ("groups", "dtype", "dtype_out", "layout", "held", "name")
+# The GEMMs of one decoder layer, in y = x @ W.T form: (name, N, K).
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+class ShapeFileError(ValueError):
+    """A shape file line that does not describe a valid key; the message starts with FILE:LINE."""
+
+
+@dataclass(frozen=True)
+class ShapeEntry:
+    problem: Problem
+    name: str
+    line: int
+
+
+def resolve(path: str | Path) -> Path:
+    """`path` if it exists, else the shipped shape file of that name."""
+    path = Path(path)
+    if path.exists() or path.parent != Path("."):
+        return path
+    shipped = DATA_DIR / path.name
+    return shipped if shipped.exists() else path
+
+
+def parse_shapes(path: str | Path) -> list[ShapeEntry]:
+    """Every key of the shape file at `path`, in file order, duplicates dropped."""
+    path = resolve(path)
+    entries: list[ShapeEntry] = []
+    seen: set[Problem] = set()
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        text = raw.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            parsed = _parse_line(text, number)
+        except ValueError as exc:
+            raise ShapeFileError(f"{path}:{number}: {exc}") from None
+        for entry in parsed:
+            if entry.problem not in seen:
+                seen.add(entry.problem)
+                entries.append(entry)
+    if not entries:
+        raise ShapeFileError(f"{path}:1: the file lists no GEMM keys")
+    return entries
+
+
+def _parse_line(text: str, number: int) -> list[ShapeEntry]:
+    fields = text.split()
+    sizes = [f for f in fields if "=" not in f]
+    options = dict(_option(f) for f in fields if "=" in f)
+    if len(sizes) < 3:
+        missing = ("M", "N", "K")[len(sizes):]
+        raise ValueError(f"missing {', '.join(missing)}: a line is 'M N K [option=value ...]'")
+    if len(sizes) > 3:
+        raise ValueError(f"unexpected field {sizes[3]!r} after M N K (options are name=value)")
+    ms = _ints("M", sizes[0])
+    (n,) = _ints("N", sizes[1], many=False)
+    ks = _ints("K", sizes[2])
+    groups = _ints("groups", options["groups"], many=False)[0] if "groups" in options else 1
+    dtype = options.get("dtype", "bf16")
+    if dtype not in DTYPES_IN:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES_IN}")
+    dtype_out = options.get("dtype_out", dtype)
+    if dtype_out not in DTYPES_OUT:
+        raise ValueError(f"unknown dtype_out {dtype_out!r}; expected one of {DTYPES_OUT}")
+    layout = options.get("layout", "tn")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    held = _ints("held", options["held"], many=False)[0] if "held" in options else 0
+    group_k: tuple[int, ...] = ()
+    if len(ks) > 1:
+        if "groups" in options and groups != len(ks):
+            raise ValueError(f"groups={groups} but {len(ks)} per-group K values")
+        groups, group_k = len(ks), tuple(ks)
+    return [
+        ShapeEntry(
+            Problem(m, n, max(ks), groups, dtype, dtype_out, layout, group_k, held),
+            options.get("name", ""), number,
+        )
+        for m in ms
+    ]
+
+
+def _option(field: str) -> tuple[str, str]:
+    name, _, value = field.partition("=")
+    if name not in _OPTIONS:
+        raise ValueError(f"unknown option {name!r}; expected one of {_OPTIONS}")
+    if not value:
+        raise ValueError(f"option {name!r} has no value")
+    return name, value
+
+
+def _ints(name: str, text: str, many: bool = True) -> list[int]:
+    parts = text.split(",")
+    if not many and len(parts) > 1:
+        raise ValueError(f"{name} takes one value, got {text!r}")
+    values = []
+    for part in parts:
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {part!r}") from None
+        if value < 1 and not (name == "held" and value == 0):
+            raise ValueError(f"{name} must be positive, got {value}")
+        values.append(value)
+    return values
+
+
+# -- shape files from model configs -------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a decoder layer's GEMMs depend on (Hugging Face config names)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> "DecoderShape":
+        # Multimodal checkpoints (Gemma 3 4B and up) keep the LM under text_config.
+        text = config.get("text_config") or config
+        try:
+            hidden = int(text["hidden_size"])
+            heads = int(text["num_attention_heads"])
+            inter = int(text["intermediate_size"])
+        except KeyError as exc:
+            raise ValueError(f"config has no {exc.args[0]!r}") from None
+        kv = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        return cls(hidden, heads, kv, head_dim, inter)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of y = x @ W.T for each fused projection of the layer."""
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        return {
+            "qkv": (q + 2 * kv, self.hidden_size),
+            "o": (self.hidden_size, q),
+            "gate_up": (2 * self.intermediate_size, self.hidden_size),
+            "down": (self.hidden_size, self.intermediate_size),
+        }
+
+
+def shape_lines(model: str, shape: DecoderShape, m_values: list[int]) -> list[str]:
+    ms = ",".join(map(str, m_values))
+    lines = [
+        f"# {model}: hidden {shape.hidden_size}, {shape.num_attention_heads} query heads and "
+        f"{shape.num_key_value_heads} KV heads of {shape.head_dim}, MLP {shape.intermediate_size}",
+    ]
+    for proj, (n, k) in shape.projections().items():
+        lines.append(f"{ms} {n} {k} name={model}.{proj}")
+    return lines
+
+
+def write_shapes_from_config(config_path: Path, m_values: list[int], output: Path | None) -> str:
+    """The shape file text for a Hugging Face style config.json; written to `output` if given."""
+    if not m_values or any(m < 1 for m in m_values):
+        raise ValueError("M values must be positive integers")
+    config = json.loads(Path(config_path).read_text())
+    if not isinstance(config, dict):
+        raise ValueError("expected a JSON object")
+    model = str(config.get("_name_or_path") or config.get("model_type") or Path(config_path).stem)
+    model = model.replace(" ", "_")
+    text = "\n".join(shape_lines(model, DecoderShape.from_config(config), m_values)) + "\n"
+    if output is not None:
+        output.write_text(text)
+    return text
