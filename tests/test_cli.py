@@ -147,3 +147,13 @@ def test_sm100_picks_dynamic_scheduler_on_imbalance_and_show_explains(tmp_path):
     out = tuner("show", "--arch", "sm100", db=db).stdout
     for sched in ("static_persistent", "dynamic_persistent", "clc", "single_tile"):
         assert f"{sched} ms" in " ".join(out.split()) or sched[:10] in out
+
+
+def test_only_restricts_keys_by_name_glob(tmp_path):
+    db = tmp_path / "t.db"
+    out = tuner("tune", "--shapes", "gemma3.txt", "--only", "gemma3-27b.o", "--backend", "model",
+                "--trials", "4", db=db).stdout
+    assert count(db, "tuner_winners") == 6
+    assert "gemma3-27b.o" in out and "gemma3-1b" not in out
+    proc = tuner("tune", "--shapes", "gemma3.txt", "--only", "nope*", db=db, check=False)
+    assert proc.returncode == 2 and "no key" in proc.stdout + proc.stderr

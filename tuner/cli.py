@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 from typing import Optional
@@ -55,6 +56,8 @@ def tune(
     trials: Optional[int] = typer.Option(None, min=1, help="Measured trials per key."),
     seconds: Optional[float] = typer.Option(None, min=1, help="Time budget per key, in seconds."),
     force: bool = typer.Option(False, help="Retune keys that already have a current winner."),
+    only: Optional[str] = typer.Option(
+        None, help="Only keys whose name matches this glob (e.g. 'gemma3-27b.*')."),
     db: Optional[str] = DbOption,
 ) -> None:
     """Search the kernel pool for every key of a shape file and store the winners."""
@@ -70,6 +73,10 @@ def tune(
         _fail(str(exc))
     except OSError as exc:
         _fail(f"{shapes}: {exc.strerror or exc}")
+    if only is not None:
+        entries = [e for e in entries if fnmatch.fnmatchcase(e.name, only)]
+        if not entries:
+            _fail(f"no key of {shapes} has a name matching {only!r}")
     bk = _backend(backend, arch)
     store = Store(db)
     budget = Budget(trials=trials or DEFAULT_TRIALS[backend], seconds=seconds)

@@ -10,8 +10,11 @@ never timed twice for a key, and the winner is chosen from verified rows only.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+import random
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -26,11 +29,18 @@ from tuner.measure import Backend, Measurement
 BASELINE = "cublas"
 # Nearest tuned keys whose winners seed a new study.
 WARM_START_KEYS = 3
+# A measured (not modelled) study starts from the configs the analytic model
+# ranks best: this many per scheduler, out of at most MODEL_RANKED samples of
+# the tile / cluster / split-K combinations (other knobs at sound values).
+MODEL_PICKS_PER_SCHEDULER = 2
+MODEL_RANKED = 1500
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
 MAX_SAMPLES_PER_TRIAL = 20
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+# TPE's `group` option is marked experimental; its warning says nothing to a user.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
 @dataclass(frozen=True)
@@ -99,8 +109,15 @@ def tune_key(
         load_if_exists=True,
     )
     if not study.trials:
-        for cfg in _warm_start(key, store, backend.arch):
+        seeds = _warm_start(key, store, backend.arch)
+        if backend.name != "model":
+            seeds += [c for c in model_picks(key) if c not in seeds]
+        for cfg in seeds:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)
+        prepare = getattr(backend, "prepare", None)
+        if prepare is not None:
+            # Compiles in parallel ahead of the sequential trials.
+            prepare(seeds)
 
     def objective(trial: optuna.Trial) -> float:
         try:
@@ -272,6 +289,54 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+def model_picks(key: Key, per_scheduler: int = MODEL_PICKS_PER_SCHEDULER) -> list[GemmConfig]:
+    """The configs the analytic model predicts fastest for `key`, best first,
+    `per_scheduler` of each scheduler (so every scheduler is measured)."""
+    from tuner.model import predict_ms
+
+    p = key.problem
+    knobs = space.knobs(key.arch)
+    combos = list(itertools.product(
+        knobs["scheduler"], _choices(key.arch)["tile"], _choices(key.arch)["cluster"],
+        knobs["split_k"], knobs["cta_group"],
+    ))
+    if len(combos) > MODEL_RANKED:
+        combos = random.Random(_seed(key.study_name())).sample(combos, MODEL_RANKED)
+    scored: list[tuple[float, GemmConfig]] = []
+    for sched, tile, cluster, split_k, cta_group in combos:
+        cfg = _deepest(dict(
+            arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group,
+            swizzle=1 if sched == "single_tile" else 4,
+            **dict(zip(_PAIRS["tile"], map(int, tile.split("x")))),
+            **dict(zip(_PAIRS["cluster"], map(int, cluster.split("x")))),
+        ))
+        if cfg is None:
+            continue
+        try:
+            scored.append((predict_ms(key, cfg), cfg))
+        except InvalidConfig:
+            continue
+    scored.sort(key=lambda pair: pair[0])
+    taken: dict[str, int] = {}
+    out = []
+    for _, cfg in scored:
+        if taken.get(cfg.scheduler, 0) < per_scheduler:
+            taken[cfg.scheduler] = taken.get(cfg.scheduler, 0) + 1
+            out.append(cfg)
+    return out
+
+
+def _deepest(fields: dict) -> GemmConfig | None:
+    """`fields` with the most pipeline stages (and accumulator stages) that are valid."""
+    knobs = space.knobs(fields["arch"])
+    for acc in sorted(knobs["acc_stages"], reverse=True):
+        for stages in sorted(knobs["stages"], reverse=True):
+            candidate = fields | {"stages": stages, "acc_stages": acc}
+            if space.is_valid(candidate):
+                return GemmConfig(**candidate)
+    return None
 
 
 def _seed(text: str) -> int:
