@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -38,6 +38,13 @@ class GemmKey(Base):
         UniqueConstraint(
             "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups",
             "group_k", "carveout", name="uq_gemm_key",
+        ),
+        # A lookup reads every tuned M (of one or every device) of a key: the
+        # unique key's index leads with arch and device, which barely narrow
+        # it, and stops at M. This one puts M and device last.
+        Index(
+            "ix_tuner_keys_family", "n", "k", "arch", "dtype_in", "dtype_out", "layout", "groups",
+            "group_k", "carveout", "device", "m",
         ),
     )
 
