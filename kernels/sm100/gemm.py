@@ -27,6 +27,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils.gemm.sm100 import epilogue_tma_store
 
 from kernels import space
+from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.sm100 import clc
 from kernels.space import GemmConfig, InvalidConfig
 
@@ -36,25 +37,30 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Fl
 _C_STAGES = 2
 
 
-class GemmSm100:
-    """One kernel variant of the sm100 pool, built from a GemmConfig.
+class Sm100GemmKernel:
+    """One kernel variant of the sm100 pool; `cfg` fixes everything but the sizes.
 
-    gemm = GemmSm100(cfg)
-    gemm(a, b, c, max_active_clusters, stream)        # inside cute.compile
-
-    a: (M, K, 1), b: (N, K, 1) with either stride order, c: (M, N, 1).
-    max_active_clusters is a runtime value (clusters resident at once, e.g.
-    148 // cluster_size on a B200), so an SM carve-out needs no recompile.
-    `rows`, an optional device Int32[1], makes the launch a padded one: A and
-    C are worst-case buffers of which only the first rows[0] rows are real.
-    The grid still covers every tile of the buffer (what a CUDA graph needs),
-    and tiles past the real work are phantoms the schedulers skip.
+    ``__call__(a, b, out, sched_buf, max_clusters, stream, rows=None)`` takes
+    2-D row-major A (M, K), B ((N, K) for "tn", (K, N) for "nn") and `out`
+    (M, N); `sched_buf` is the int32[2] buffer of the atomic scheduler
+    (unused by the others) and `max_clusters` the clusters the device runs at
+    once (a runtime value, so an SM carve-out needs no recompile).
+    `rows`, an optional device int32[1], makes the launch a padded one: A and
+    `out` are worst-case buffers of which only the first rows[0] rows are
+    real. The grid still covers the whole buffer (as a CUDA graph needs) and
+    tiles past the real work are phantoms the schedulers skip (clc with
+    tail_cancel drains them).
     """
 
-    def __init__(self, cfg: GemmConfig, acc_dtype: type[cutlass.Numeric] = cutlass.Float32):
-        self.can_implement(cfg)
+    def __init__(self, cfg: GemmConfig, layout: str = "tn"):
+        self.can_implement(cfg, layout)
         self.cfg = cfg
-        self.acc_dtype = acc_dtype
+        self.layout = layout
+        self.acc_dtype = cutlass.Float32
+        self.sched = clc.ClcSpec.from_config(cfg) if cfg.scheduler == "clc" else SchedulerSpec.from_config(cfg)
+        self.ring_words = (
+            clc.storage_words(self.sched) if cfg.scheduler == "clc" else ClaimRing.storage_words(self.sched)
+        )
         self.use_2cta_instrs = cfg.cta_group == 2
         self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta_instrs else tcgen05.CtaGroup.ONE
         self.cluster_shape_mn = (cfg.cluster_m, cfg.cluster_n)
@@ -68,17 +74,20 @@ class GemmSm100:
         self.tma_warp_id = 5
         self.sched_warp_id = 6
         self.has_sched_warp = cfg.dynamic
-        warps = 7 if self.has_sched_warp else 6
-        self.threads_per_cta = 32 * warps
+        # Warps that walk the schedule and so read every published tile.
+        self.ring_consumer_warps = 6
+        self.threads_per_cta = 32 * (self.ring_consumer_warps + int(self.has_sched_warp))
         # Named barrier ids (0 is __syncthreads).
         self.epilog_sync_bar_id = 1
         self.tmem_alloc_sync_bar_id = 2
 
     @staticmethod
-    def can_implement(cfg: GemmConfig) -> None:
-        """Raise InvalidConfig unless this kernel builds `cfg` (the config space decides the rest)."""
+    def can_implement(cfg: GemmConfig, layout: str = "tn") -> None:
+        """Raise InvalidConfig unless this class builds `cfg` (the config space decides the rest)."""
         if cfg.arch != "sm100":
-            raise InvalidConfig(f"GemmSm100 builds sm100 configs, not {cfg.arch}")
+            raise InvalidConfig(f"{cfg.arch} config given to the sm100 kernel")
+        if layout not in space.LAYOUTS:
+            raise InvalidConfig(f"unknown layout {layout!r}")
         if cfg.split_k != 1:
             raise InvalidConfig("the sm100 kernel has no split-K")
         if cfg.tile_n % 32:
@@ -86,6 +95,19 @@ class GemmSm100:
         space.validate(cfg)
 
     # ------------------------------------------------------------------ host
+
+    def _views(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
+        """(m, k, 1), (n, k, 1) and (m, n, 1) views of the 2-D operands."""
+        m, k = a.shape
+        a3 = cute.make_tensor(a.iterator, cute.make_layout((m, k, 1), stride=(a.stride[0], 1, 0)))
+        if cutlass.const_expr(self.layout == "tn"):
+            n = b.shape[0]
+            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, 1), stride=(b.stride[0], 1, 0)))
+        else:
+            n = b.shape[1]
+            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, 1), stride=(1, b.stride[0], 0)))
+        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, 0)))
+        return a3, b3, c3
 
     def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
         self.a_dtype = a.element_type
@@ -136,7 +158,7 @@ class GemmSm100:
         return tiled_mma
 
     def _shared_storage(self):
-        ring = clc.ring_words(self.cfg)
+        n_ring_bars, n_ring_words = self.ring_words
 
         @cute.struct
         class SharedStorage:
@@ -144,11 +166,8 @@ class GemmSm100:
             acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
             tmem_dealloc_mbar: cutlass.Int64
             tmem_holding_buf: cutlass.Int32
-            sched_mbar: cute.struct.MemRange[cutlass.Int64, max(1, ring.stages) * 2]
-            tail_mbar: cutlass.Int64
-            # 16-byte slots: CLC responses (written by the async proxy) or
-            # broadcast tile records, plus the tail-cancel burst's slots.
-            sched_buf: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ring.words], 16]
+            ring_bars: cute.struct.MemRange[cutlass.Int64, n_ring_bars]
+            ring_slots: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, n_ring_words], 16]
             sC: cute.struct.Align[
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem_layout_staged.outer)], 1024
             ]
@@ -167,10 +186,12 @@ class GemmSm100:
         a: cute.Tensor,
         b: cute.Tensor,
         c: cute.Tensor,
-        max_active_clusters: cutlass.Int32,
+        sched_buf: cute.Tensor,
+        max_clusters: cutlass.Int32,
         stream,
         rows: Optional[cute.Tensor] = None,
     ):
+        a, b, c = self._views(a, b, c)
         tiled_mma = self._setup(a, b, c)
         atom_thr_size = cute.size(tiled_mma.thr_id.shape)
 
@@ -194,17 +215,15 @@ class GemmSm100:
             cpasync.CopyBulkTensorTileS2GOp(), c, epi_smem_layout, self.epi_tile
         )
 
-        sched_params = clc.make_params(
-            self.cfg, c, self.cta_tile_shape_mnk[:2], max_active_clusters, rows
-        )
-        grid = sched_params.grid()
+        # The launch covers the whole (possibly padded) output buffer.
+        tiles = TileGrid.of(c.shape, self.cta_tile_shape_mnk[:2], self.cluster_shape_mn)
 
         self.kernel(
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
             self.cluster_layout_vmnk, self.a_smem_layout_staged, self.b_smem_layout_staged,
-            self.c_smem_layout_staged, self.epi_tile, sched_params,
+            self.c_smem_layout_staged, self.epi_tile, sched_buf, rows,
         ).launch(
-            grid=grid,
+            grid=self.sched.grid_shape(tiles, max_clusters),
             block=[self.threads_per_cta, 1, 1],
             cluster=(*self.cluster_shape_mn, 1),
             smem=self.shared_storage.size_in_bytes(),
@@ -228,7 +247,8 @@ class GemmSm100:
         b_smem_layout_staged: cute.ComposedLayout,
         c_smem_layout_staged: cute.ComposedLayout,
         epi_tile: cute.Tile,
-        sched_params: clc.SchedulerParams,
+        sched_buf: cute.Tensor,
+        rows: Optional[cute.Tensor],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.tma_warp_id:
@@ -270,10 +290,17 @@ class GemmSm100:
             defer_sync=True,
         )
 
-        sched = clc.make_scheduler(
-            self.cfg, sched_params, storage.sched_mbar.data_ptr(), storage.sched_buf.data_ptr(),
-            storage.tail_mbar.ptr, cluster_layout_vmnk, self.threads_per_cta // 32,
-        )
+        ring = None
+        if cutlass.const_expr(self.cfg.scheduler == "clc"):
+            ring = clc.ClcRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
+                self.ring_consumer_warps, cluster_layout_vmnk,
+            )
+        elif cutlass.const_expr(self.cfg.scheduler == "dynamic_persistent"):
+            ring = ClaimRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
+                self.ring_consumer_warps,
+            )
 
         tmem = TmemAllocator(
             storage.tmem_holding_buf.ptr,
@@ -332,13 +359,21 @@ class GemmSm100:
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
 
-        pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+        # The real work: the first rows[0] rows of a padded buffer, else all of it.
+        work_rows = mC_mnl.shape[0]
+        if cutlass.const_expr(rows is not None):
+            work_rows = rows[0]
+        tiles = TileGrid.of(
+            (work_rows, mC_mnl.shape[1], 1), self.cta_tile_shape_mnk[:2], self.cluster_shape_mn
+        )
 
-        work = sched.initial_work()
+        pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         # ---- TMA load warp
         if warp_idx == self.tma_warp_id:
-            while work.is_valid_tile:
+            sched = self._scheduler(tiles, ring)
+            work = sched.initial_work()
+            while work.is_valid:
                 mma_m, mma_n, mma_l = self._mma_tile(work, tiled_mma)
                 tAgA_slice = tAgA[(None, mma_m, None, mma_l)]
                 tBgB_slice = tBgB[(None, mma_n, None, mma_l)]
@@ -357,13 +392,13 @@ class GemmSm100:
                     peek_empty = cutlass.Boolean(1)
                     if handle.count + 1 < k_tile_cnt:
                         peek_empty = ab_producer.try_acquire()
-                work = sched.next_work(work)
+                work = sched.advance()
             ab_producer.tail()
 
         # ---- scheduler warp: claims tiles for the whole cluster
         if cutlass.const_expr(self.has_sched_warp):
             if warp_idx == self.sched_warp_id:
-                sched.produce(work)
+                self._scheduler(tiles, ring).serve_claims(sched_buf)
 
         # ---- MMA warp
         if warp_idx == self.mma_warp_id:
@@ -373,7 +408,9 @@ class GemmSm100:
             acc_producer_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.num_acc_stage
             )
-            while work.is_valid_tile:
+            sched = self._scheduler(tiles, ring)
+            work = sched.initial_work()
+            while work.is_valid:
                 tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
                 ab_consumer.reset()
                 peek_full = cutlass.Boolean(1)
@@ -396,7 +433,7 @@ class GemmSm100:
                 if is_leader_cta:
                     acc_pipeline.producer_commit(acc_producer_state)
                 acc_producer_state.advance()
-                work = sched.next_work(work)
+                work = sched.advance()
             acc_pipeline.producer_tail(acc_producer_state)
 
         # ---- epilogue warps
@@ -415,11 +452,13 @@ class GemmSm100:
                 ),
             )
             tiles_done = cutlass.Int32(0)
-            while work.is_valid_tile:
+            sched = self._scheduler(tiles, ring)
+            work = sched.initial_work()
+            while work.is_valid:
                 mma_tile_coord = self._mma_tile(work, tiled_mma)
-                # Claim the next tile before the stores so the scheduler ring
-                # slot frees as early as possible.
-                work = sched.next_work(work)
+                # Take the next tile before the stores, so the scheduler's
+                # ring slot frees as early as possible.
+                work = sched.advance()
                 acc_consumer_state = epilogue_tma_store(
                     self, tidx, warp_idx, tma_atom_c, tCtAcc_base, sC, tCgC, epi_tile,
                     tiles_done, lambda x: x, mma_tile_coord, acc_consumer_state,
@@ -430,10 +469,15 @@ class GemmSm100:
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
 
+    def _scheduler(self, tiles: TileGrid, ring):
+        if cutlass.const_expr(self.cfg.scheduler == "clc"):
+            return clc.ClcScheduler.create(self.sched, tiles, ring)
+        return TileScheduler.create(self.sched, tiles, ring)
+
     @cute.jit
     def _mma_tile(self, work, tiled_mma: cute.TiledMma):
         """MMA tile coordinate of a work tile given in CTA tiles (a 2-CTA MMA spans two)."""
-        m, n, l = work.tile_idx
+        m, n, l = work.tile
         return (m // cute.size(tiled_mma.thr_id.shape), n, l)
 
 
