@@ -1,0 +1,347 @@
+"""Compiling pool kernels: one compile per (config, dtypes, layout), cached.
+
+- `get_kernel(cfg, dtype_in=, dtype_out=, layout=)` returns a runner,
+  ``runner(a, b, out)`` on torch CUDA tensors, launched on torch's current
+  stream. M, N and K are symbolic in the compiled kernel, so one compile
+  serves every problem size.
+- Compiled kernels are kept in memory and on disk (an object file per
+  (config, dtypes, layout, arch, DSL version), loaded through TVM-FFI in a
+  few milliseconds), so a new process does not recompile.
+- `compile_many` fills the disk cache from worker processes in parallel.
+- `compile_offline` compiles for any arch without a GPU and returns the PTX,
+  registers per thread and shared memory (what CI checks).
+
+CuTe DSL reads its target arch from CUTE_DSL_ARCH when it is first imported,
+so cutlass is imported lazily: offline and parallel compiles run in worker
+processes that set the target first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import multiprocessing
+import os
+import struct
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels.space import GemmConfig, InvalidConfig, check_operands
+
+# Kernel class per arch, as "module:Class" so that importing this module stays
+# free of cutlass. Another arch registers itself with `register_kernel`.
+_KERNEL_CLASSES = {"sm90": "kernels.sm90.gemm:Sm90GemmKernel"}
+_TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
+# SMs of the reference GPU per arch (H100 SXM, B200): the max-clusters figure
+# an offline compile is given; a runner uses the real device's.
+_REFERENCE_SMS = {"sm90": 132, "sm100": 148}
+_EXPORT_NAME = "gemm"
+_CACHE_ENV = "KERNELS_CACHE_DIR"
+# ELF .nv.info attribute holding a kernel's registers per thread.
+_EIATTR_REGCOUNT = 0x2F
+
+
+def register_kernel(arch: str, class_path: str) -> None:
+    """Make `class_path` ("module:Class") the kernel class of `arch`."""
+    _KERNEL_CLASSES[arch] = class_path
+
+
+def _kernel_class(arch: str):
+    if arch not in _KERNEL_CLASSES:
+        raise InvalidConfig(f"no kernel class registered for {arch}")
+    module, name = _KERNEL_CLASSES[arch].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one compile is specialised for: a config, dtypes and B's layout."""
+
+    cfg: GemmConfig
+    dtype_in: str = "bf16"
+    dtype_out: str = "bf16"
+    layout: str = "tn"
+
+    def __post_init__(self) -> None:
+        # Sizes 8 satisfy every alignment rule; this checks dtypes and layout.
+        check_operands(8, 8, 8 * self.cfg.split_k, 1, self.dtype_in, self.dtype_out, self.layout)
+
+    @property
+    def workspace(self) -> bool:
+        """Split-K writes fp32 partials (S, M, N) instead of `out`."""
+        return self.cfg.split_k > 1
+
+    def key(self) -> str:
+        return f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"
+
+
+# ---------------------------------------------------------------- compiling
+
+
+def _dsl_version() -> str:
+    from importlib.metadata import version
+
+    return version("nvidia-cutlass-dsl")
+
+
+def _fake_args(v: Variant):
+    """Fake tensors and scalars of the kernel's signature (symbolic M, N, K)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    dtypes = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+    s = v.cfg.split_k
+    # Divisibility is a contract the call checks: 16-byte rows for TMA, and
+    # K slices that start on 16 bytes.
+    n_div = 8 if v.layout == "nn" or v.dtype_out != "fp32" and not v.workspace else 4
+    m, n, k = cute.sym_int(), cute.sym_int(divisibility=n_div), cute.sym_int(divisibility=8 * s)
+
+    def row_major(dtype, shape):
+        order = tuple(range(len(shape) - 1, -1, -1))
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+    a = row_major(dtypes[v.dtype_in], (m, k))
+    b = row_major(dtypes[v.dtype_in], (n, k) if v.layout == "tn" else (k, n))
+    out = row_major(cutlass.Float32, (s, m, n)) if v.workspace else row_major(dtypes[v.dtype_out], (m, n))
+    sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
+    return a, b, out, sched_buf, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def _compile(v: Variant, options: str = ""):
+    """(compiled function, kernel object) for the arch this process targets."""
+    import cutlass.cute as cute
+
+    kernel = _kernel_class(v.cfg.arch)(v.cfg, v.layout)
+    compiled = cute.compile(kernel, *_fake_args(v), options=f"--enable-tvm-ffi {options}".strip())
+    return compiled, kernel
+
+
+def _set_target(arch: str) -> None:
+    if arch not in _TARGETS:
+        raise InvalidConfig(f"no compile target for {arch}")
+    os.environ["CUTE_DSL_ARCH"] = _TARGETS[arch]
+
+
+def _spawn_pool(workers: int, arch: str) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_set_target,
+        initargs=(arch,),
+    )
+
+
+# ---------------------------------------------------------------- offline (CI)
+
+
+@dataclass(frozen=True)
+class OfflineKernel:
+    """What an offline compile reports about one variant."""
+
+    ptx: str
+    registers: int | None  # per thread, from the cubin
+    smem_bytes: int  # dynamic shared memory per CTA
+    seconds: float
+
+
+def _offline_job(v: Variant) -> OfflineKernel:
+    import time
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled, kernel = _compile(v, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
+        ptx = compiled.artifacts.PTX
+        if "\n" not in ptx:  # some releases give the dumped file's path
+            ptx = Path(ptx).read_text()
+        cubin = compiled.artifacts.CUBIN
+    return OfflineKernel(
+        ptx=ptx,
+        registers=_cubin_registers(cubin) if isinstance(cubin, bytes) else None,
+        smem_bytes=kernel.shared_storage.size_in_bytes(),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def compile_offline(variants: list[Variant], *, workers: int = 1) -> list[OfflineKernel]:
+    """Compile each variant for its config's arch, no GPU needed (worker processes)."""
+    results: list[OfflineKernel] = [None] * len(variants)  # type: ignore[list-item]
+    for arch in sorted({v.cfg.arch for v in variants}):
+        idx = [i for i, v in enumerate(variants) if v.cfg.arch == arch]
+        with _spawn_pool(max(1, min(workers, len(idx))), arch) as pool:
+            for i, res in zip(idx, pool.map(_offline_job, [variants[i] for i in idx])):
+                results[i] = res
+    return results
+
+
+def _cubin_registers(cubin: bytes) -> int | None:
+    """Registers per thread of the (single) kernel in an sm_90/sm_100 cubin."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names_idx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names_off = sections[names_idx][4]
+    for sec in sections:
+        end = cubin.index(b"\0", names_off + sec[0])
+        if cubin[names_off + sec[0]:end] != b".nv.info":
+            continue
+        pos, stop = sec[4], sec[4] + sec[5]
+        while pos < stop:
+            fmt, attr, size = struct.unpack_from("<BBH", cubin, pos)
+            if fmt == 4 and attr == _EIATTR_REGCOUNT:
+                return struct.unpack_from("<I", cubin, pos + 8)[0]
+            pos += 4 + (size if fmt == 4 else 0)
+    return None
+
+
+# ---------------------------------------------------------------- disk cache
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "gemm-kernels"
+    return Path(root) / f"cutlass-dsl-{_dsl_version()}"
+
+
+def _cache_path(v: Variant) -> Path:
+    # The sources of the pool are part of the key: an edit invalidates.
+    h = hashlib.sha256(json.dumps([v.key(), v.cfg.to_dict()], sort_keys=True).encode())
+    for src in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(src.read_bytes())
+    return cache_dir() / v.cfg.arch / f"{v.key()}-{h.hexdigest()[:16]}.o"
+
+
+def _load(path: Path):
+    import cutlass.cute as cute
+
+    return cute.runtime.load_module(str(path), enable_tvm_ffi=True)[_EXPORT_NAME]
+
+
+def _export(compiled, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Export beside, then rename: a reader never sees half a file.
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    compiled.export_to_c(object_file_path=str(tmp), function_name=_EXPORT_NAME)
+    os.replace(tmp, path)
+
+
+def _compile_to_disk(v: Variant) -> str:
+    path = _cache_path(v)
+    if not path.exists():
+        _export(_compile(v)[0], path)
+    return str(path)
+
+
+_compiled: dict[tuple, object] = {}
+
+
+def _function(v: Variant, arch: str):
+    """The compiled function of `v`: memory, then disk, then compile."""
+    key = (v, arch)
+    if key not in _compiled:
+        path = _cache_path(v)
+        if path.exists():
+            fn = _load(path)
+        else:
+            compiled = _compile(v)[0]
+            _export(compiled, path)
+            fn = compiled
+        _compiled[key] = fn
+    return _compiled[key]
+
+
+def compile_many(
+    cfgs: list[GemmConfig],
+    workers: int = 1,
+    *,
+    dtype_in: str = "bf16",
+    dtype_out: str = "bf16",
+    layouts: tuple[str, ...] = ("tn",),
+) -> int:
+    """Compile every (config, layout) missing from the disk cache, `workers` at a time.
+
+    Returns how many were compiled. Runners created afterwards load from disk.
+    """
+    todo = [
+        v for c in cfgs for layout in layouts
+        if not _cache_path(v := Variant(c, dtype_in, dtype_out, layout)).exists()
+    ]
+    for arch in sorted({v.cfg.arch for v in todo}):
+        batch = [v for v in todo if v.cfg.arch == arch]
+        with _spawn_pool(max(1, min(workers, len(batch))), arch) as pool:
+            list(pool.map(_compile_to_disk, batch))
+    return len(todo)
+
+
+# ---------------------------------------------------------------- runners
+
+
+def _device_arch(device) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+_max_clusters: dict[tuple[int, int], int] = {}
+
+
+def _clusters_per_wave(device_index: int, cluster_size: int) -> int:
+    key = (device_index, cluster_size)
+    if key not in _max_clusters:
+        import torch
+
+        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        _max_clusters[key] = max(1, sms // cluster_size)
+    return _max_clusters[key]
+
+
+# One scheduler buffer (claims, finished clusters) per (device, stream): the
+# dynamic scheduler resets it itself, so launches in one stream share it.
+_sched_bufs: dict[tuple[int, int], object] = {}
+
+
+def _sched_buf(device_index: int):
+    import torch
+
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    buf = _sched_bufs.get((device_index, stream))
+    if buf is None:
+        buf = torch.zeros(2, dtype=torch.int32, device=f"cuda:{device_index}")
+        _sched_bufs[(device_index, stream)] = buf
+    return buf
+
+
+class _Runner:
+    """``runner(a, b, out)``: out = a @ b (tn: a @ b.T) on the current stream."""
+
+    def __init__(self, fn, v: Variant, device_index: int):
+        self._fn = fn
+        self._split_k = v.cfg.split_k
+        self._device = device_index
+        self._max_clusters = _clusters_per_wave(device_index, v.cfg.cluster_size)
+        self.variant = v
+
+    def __call__(self, a, b, out) -> None:
+        buf = _sched_buf(self._device)
+        if self._split_k == 1:
+            self._fn(a, b, out, buf, self._max_clusters)
+            return
+        import torch
+
+        ws = torch.empty((self._split_k, *out.shape), dtype=torch.float32, device=out.device)
+        self._fn(a, b, ws, buf, self._max_clusters)
+        torch.sum(ws, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(ws.sum(dim=0))
+
+
+def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str) -> _Runner:
+    """A runner of `cfg` for the current CUDA device (compiled or loaded once)."""
+    import torch
+
+    device_index = torch.cuda.current_device()
+    arch = _device_arch(device_index)
+    if cfg.arch != arch:
+        raise InvalidConfig(f"{cfg.arch} config on a {arch} device")
+    v = Variant(cfg, dtype_in, dtype_out, layout)
+    return _Runner(_function(v, arch), v, device_index)

@@ -1,0 +1,341 @@
+"""Tile schedulers: which output tile a cluster computes next.
+
+A kernel's work is a linear sequence of *work indices*, one per cluster tile
+(the cluster_m x cluster_n CTA tiles one cluster computes together), batch by
+batch. `decode_tile` turns an index into a tile; the scheduler decides which
+indices a cluster visits:
+
+- ``single_tile``: grid = every cluster tile; each cluster computes the tile of
+  its own index and stops.
+- ``static_persistent``: grid = the clusters that fit on the device at once;
+  cluster c visits c, c + grid, c + 2 grid, ...
+- ``dynamic_persistent``: cluster c starts at c; afterwards the scheduler warp
+  of its leader CTA claims the next index with a global ``atomic_add`` on a
+  claim counter and publishes it to every warp role of every CTA of the
+  cluster through a ring of ``depth`` shared-memory slots (a pipeline: the
+  scheduler warp produces, every other warp role consumes). An index at or
+  past the tile count means stop.
+
+The claim counter needs no host work between launches: it shares one
+persistent ``int32[2]`` buffer (claims, finished clusters) with a finished
+counter, and the last cluster to finish (its ``atomic_add`` on the finished
+counter returns grid - 1) sets both back to zero. That holds under CUDA graph
+replay; two launches sharing one buffer *concurrently* (different streams)
+would not be safe, so each stream gets its own buffer.
+
+Interface, the same for every scheduler and architecture; every warp role of
+a kernel calls it at the same three places::
+
+    sched = TileScheduler.create(spec, grid, ring)    # ring: None unless dynamic
+    work = sched.initial_work()
+    while work.is_valid:
+        m, n, l = work.tile            # CTA tile coordinate
+        ...
+        work = sched.advance()
+
+and the kernel's scheduler warp calls ``sched.serve_claims(counter)`` once
+(a no-op unless dynamic). Another way of choosing the next index (Blackwell's
+cluster launch control, say) is another ``advance`` behind the same calls,
+reusing `decode_tile`, `TileGrid` and `WorkTile`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Boolean, Int32, const_expr
+
+KINDS = ("single_tile", "static_persistent", "dynamic_persistent")
+
+# Bytes of one published work index.
+_SLOT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """Compile-time description of a scheduler (from a `kernels.space.GemmConfig`)."""
+
+    kind: str
+    cluster_mn: tuple[int, int] = (1, 1)
+    swizzle: int = 1
+    raster_m: bool = True
+    depth: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown scheduler {self.kind!r}; expected one of {KINDS}")
+
+    @staticmethod
+    def from_config(cfg) -> "SchedulerSpec":
+        return SchedulerSpec(
+            kind=cfg.scheduler,
+            cluster_mn=(cfg.cluster_m, cfg.cluster_n),
+            swizzle=cfg.swizzle,
+            raster_m=cfg.raster == "m",
+            depth=cfg.sched_depth,
+        )
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_mn[0] * self.cluster_mn[1]
+
+    @property
+    def dynamic(self) -> bool:
+        return self.kind == "dynamic_persistent"
+
+    def grid_shape(self, grid: "TileGrid", max_clusters: Int32) -> tuple:
+        """Launch grid: cluster_m * clusters along x, cluster_n along y.
+
+        Clusters line up along x so that a tile count far above 65535 (the
+        limit of y and z) still launches.
+        """
+        clusters = grid.count
+        if const_expr(self.kind != "single_tile"):
+            clusters = cutlass.min(clusters, max_clusters)
+        return (self.cluster_mn[0] * clusters, self.cluster_mn[1], 1)
+
+
+class TileGrid:
+    """Cluster tiles of a problem: counts along M and N, and batches."""
+
+    def __init__(self, clusters_m: Int32, clusters_n: Int32, batches: Int32):
+        self.clusters_m = clusters_m
+        self.clusters_n = clusters_n
+        self.batches = batches
+
+    @staticmethod
+    def of(shape_mnl: tuple, cta_tile_mn: tuple[int, int], cluster_mn: tuple[int, int]) -> "TileGrid":
+        tiles_m = _ceil_div(Int32(shape_mnl[0]), cta_tile_mn[0])
+        tiles_n = _ceil_div(Int32(shape_mnl[1]), cta_tile_mn[1])
+        return TileGrid(
+            _ceil_div(tiles_m, cluster_mn[0]), _ceil_div(tiles_n, cluster_mn[1]), Int32(shape_mnl[2])
+        )
+
+    @property
+    def per_batch(self) -> Int32:
+        return self.clusters_m * self.clusters_n
+
+    @property
+    def count(self) -> Int32:
+        return self.per_batch * self.batches
+
+
+def _ceil_div(a, b):
+    return (a + (b - 1)) // b
+
+
+def decode_tile(idx: Int32, grid: TileGrid, swizzle: int, raster_m: bool) -> tuple[Int32, Int32, Int32]:
+    """Cluster tile coordinate (m, n, l) of work index `idx`.
+
+    Indices run batch by batch. Within a batch, raster "m" walks down M first
+    inside a band of `swizzle` cluster columns (N), then moves to the next
+    band; raster "n" swaps the roles of M and N. Consecutive indices thus
+    share operand panels in L2. A last band narrower than `swizzle` is walked
+    with its own width, so no index is wasted on a tile outside the problem.
+    """
+    l = idx // grid.per_batch
+    rest = idx - l * grid.per_batch
+    fast, slow = (grid.clusters_m, grid.clusters_n) if raster_m else (grid.clusters_n, grid.clusters_m)
+    if const_expr(swizzle == 1):
+        s = rest // fast
+        f = rest - s * fast
+    else:
+        band = rest // (swizzle * fast)
+        width = cutlass.min(Int32(swizzle), slow - band * swizzle)
+        offset = rest - band * (swizzle * fast)
+        f = offset // width
+        s = band * swizzle + (offset - f * width)
+    return (f, s, l) if raster_m else (s, f, l)
+
+
+class WorkTile:
+    """A CTA's tile coordinate (m, n, l) in units of CTA tiles, and whether it exists."""
+
+    def __init__(self, tile: tuple, is_valid):
+        self.tile = tile
+        self.is_valid = Boolean(is_valid)
+
+    def __extract_mlir_values__(self) -> list:
+        return cutlass.extract_mlir_values(self.tile) + cutlass.extract_mlir_values(self.is_valid)
+
+    def __new_from_mlir_values__(self, values: list) -> "WorkTile":
+        n = len(cutlass.extract_mlir_values(self.tile))
+        return WorkTile(
+            cutlass.new_from_mlir_values(self.tile, values[:n]),
+            cutlass.new_from_mlir_values(self.is_valid, values[n:]),
+        )
+
+
+class ClaimRing:
+    """Shared-memory ring carrying claimed work indices from the scheduler warp.
+
+    The leader CTA's scheduler warp is the only producer; one elected lane of
+    every consuming warp of every CTA in the cluster releases a slot on the
+    leader's empty barrier. Into a peer CTA the index travels as an
+    ``st.async`` that completes the peer's full barrier, so one arrive per
+    slot arms it. The kernel reserves the storage: `barriers` holds
+    2 * depth mbarriers (Int64), `slots` depth Int32 (16-byte aligned).
+    """
+
+    def __init__(self, spec: SchedulerSpec, pipe: pipeline.PipelineAsync, slots: cute.Tensor):
+        self.spec = spec
+        self.pipe = pipe
+        self.slots = slots
+
+    @staticmethod
+    def create(spec: SchedulerSpec, barriers: cute.Pointer, slots: cute.Pointer, consumer_warps: int) -> "ClaimRing":
+        """Initialise the barriers (warp 0); the kernel's cluster-wide barrier-init sync must follow."""
+        pipe = pipeline.PipelineAsync.create(
+            num_stages=spec.depth,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, consumer_warps * spec.cluster_size
+            ),
+            barrier_storage=barriers,
+            consumer_mask=0 if spec.cluster_size > 1 else None,
+            defer_sync=True,
+        )
+        return ClaimRing(spec, pipe, cute.make_tensor(slots, cute.make_layout(spec.depth)))
+
+    @staticmethod
+    def storage_words(spec: SchedulerSpec) -> tuple[int, int]:
+        """(Int64 mbarriers, Int32 slots) a kernel reserves for the ring of `spec`."""
+        return 2 * spec.depth, spec.depth
+
+    def receive(self, state: pipeline.PipelineState) -> Int32:
+        """Called by every lane of a consuming warp: the next published index."""
+        self.pipe.consumer_wait(state)
+        idx = self.slots[state.index]
+        # The slot may have been written through the async proxy (st.async).
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            self.pipe.consumer_release(state)
+        return idx
+
+    @cute.jit
+    def publish(self, state: pipeline.PipelineState, idx: Int32) -> None:
+        """Called by every lane of the leader CTA's scheduler warp."""
+        self.pipe.producer_acquire(state)
+        if const_expr(self.spec.cluster_size == 1):
+            with cute.arch.elect_one():
+                self.slots[state.index] = idx
+                self.pipe.producer_commit(state)
+        else:
+            lane = cute.arch.lane_idx()
+            if lane < self.spec.cluster_size:
+                full = self.pipe.producer_get_barrier(state)
+                cute.arch.mbarrier_arrive_and_expect_tx(full, _SLOT_BYTES, lane)
+                cute.arch.store_async_dsmem(
+                    (self.slots.iterator + state.index).align(4), idx, full, lane
+                )
+
+
+class TileScheduler:
+    """One warp role's view of the schedule (each role holds its own instance)."""
+
+    def __init__(
+        self,
+        spec: SchedulerSpec,
+        grid: TileGrid,
+        num_clusters: Int32,
+        rank_mn: tuple,
+        idx: Int32,
+        ring: ClaimRing | None,
+        state: pipeline.PipelineState | None,
+    ):
+        self.spec = spec
+        self.grid = grid
+        self.num_clusters = num_clusters
+        self.rank_mn = rank_mn
+        self._idx = idx
+        self._ring = ring
+        self._state = state
+
+    def __extract_mlir_values__(self) -> list:
+        values = cutlass.extract_mlir_values(self._idx)
+        if const_expr(self._state is not None):
+            values += cutlass.extract_mlir_values(self._state)
+        return values
+
+    def __new_from_mlir_values__(self, values: list) -> "TileScheduler":
+        state = None
+        if const_expr(self._state is not None):
+            state = cutlass.new_from_mlir_values(self._state, values[1:])
+        return TileScheduler(
+            self.spec, self.grid, self.num_clusters, self.rank_mn,
+            cutlass.new_from_mlir_values(self._idx, values[:1]), self._ring, state,
+        )
+
+    @staticmethod
+    def create(spec: SchedulerSpec, grid: TileGrid, ring: ClaimRing | None = None) -> "TileScheduler":
+        """The schedule as seen from the calling CTA (grid laid out by `SchedulerSpec.grid_shape`)."""
+        cm, cn = spec.cluster_mn
+        bidx, bidy, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        cluster = Int32(bidx) // cm
+        rank_mn = (Int32(bidx) - cluster * cm, Int32(bidy))
+        state = None
+        if const_expr(spec.dynamic):
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
+        return TileScheduler(spec, grid, Int32(gdimx) // cm, rank_mn, cluster, ring, state)
+
+    def _work(self) -> WorkTile:
+        cl_m, cl_n, l = decode_tile(self._idx, self.grid, self.spec.swizzle, self.spec.raster_m)
+        cm, cn = self.spec.cluster_mn
+        tile = (
+            cute.arch.make_warp_uniform(cl_m * cm + self.rank_mn[0]),
+            cute.arch.make_warp_uniform(cl_n * cn + self.rank_mn[1]),
+            cute.arch.make_warp_uniform(l),
+        )
+        return WorkTile(tile, self._idx < self.grid.count)
+
+    def initial_work(self) -> WorkTile:
+        return self._work()
+
+    def advance(self) -> WorkTile:
+        """Move to this cluster's next tile (waits on the ring when dynamic)."""
+        if const_expr(self.spec.kind == "single_tile"):
+            self._idx = self.grid.count
+        elif const_expr(self.spec.kind == "static_persistent"):
+            self._idx = self._idx + self.num_clusters
+        else:
+            self._idx = self._ring.receive(self._state)
+            self._state.advance()
+        return self._work()
+
+    @cute.jit
+    def serve_claims(self, counter: cute.Tensor) -> None:
+        """The scheduler warp's loop: claim, publish, repeat until past the end.
+
+        Only the leader CTA of a cluster claims. `counter` is the persistent
+        int32[2] buffer (claims, finished clusters); the last cluster out
+        zeroes it for the next launch.
+        """
+        if const_expr(self.spec.dynamic):
+            if cute.arch.block_idx_in_cluster() == 0:
+                lane = cute.arch.lane_idx()
+                total = self.grid.count
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.spec.depth)
+                nxt = Int32(0)
+                while nxt < total:
+                    claimed = Int32(0)
+                    if lane == 0:
+                        claimed = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+                    nxt = cute.arch.shuffle_sync(claimed, 0) + self.num_clusters
+                    self._ring.publish(state, nxt)
+                    state.advance()
+                self._ring.pipe.producer_tail(state)
+                if lane == 0:
+                    # acq_rel: this cluster's claims happen before its finish,
+                    # and the last finisher sees every other cluster's claims.
+                    done = cute.arch.atomic_add(
+                        counter.iterator + 1, Int32(1), sem="acq_rel", scope="gpu"
+                    )
+                    if done == self.num_clusters - 1:
+                        counter[0] = Int32(0)
+                        counter[1] = Int32(0)
+

@@ -1,0 +1,382 @@
+"""Warp-specialized persistent GEMM for Hopper (sm_90a), scheduler pluggable.
+
+out = a @ b (fp32 accumulation) with A (M, K) row-major and B either (N, K)
+K-major ("tn", an nn.Linear weight: out = x @ W.T) or (K, N) N-major ("nn").
+
+Warp roles of a CTA: warpgroup 0 holds the TMA producer warp (A and B
+k-blocks into a `stages`-deep mbarrier ring, multicast across the cluster)
+and the scheduler warp (dynamic scheduler only); one consumer warpgroup
+(tile_m 64) or two (tile_m 128: 64 rows each, 256: 128 rows each) run WGMMA
+and the epilogue, which goes registers -> smem -> global by TMA stores in
+(tile_m x 32) sub-tiles. Every role walks the tiles given by
+`kernels.schedulers`.
+
+Split-K is a batched GEMM over K slices: with S = split_k the kernel sees A
+as (M, K/S, S), B as (N, K/S, S) and writes fp32 partials into a (S, M, N)
+workspace that the caller sums. M, N and K are symbolic: one compile serves
+every problem size of a (config, dtypes, layout).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, Int64, const_expr
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
+from kernels.space import EPI_BUFFERS, EPI_SUBTILE_N, TILE_K, GemmConfig, InvalidConfig
+
+_WARPS_PER_GROUP = 4
+_THREADS_PER_GROUP = 128
+_LOAD_WARP = 0
+_SCHED_WARP = 1
+# setmaxnreg budgets (per thread): the producer warpgroup gives registers to
+# the consumers, which hold up to 128 fp32 accumulators each.
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
+_SMEM_ALIGN = 1024
+_EPILOGUE_BARRIER_ID = 1
+
+
+class Sm90GemmKernel:
+    """One kernel variant of the sm90 pool; `cfg` fixes everything but the sizes.
+
+    ``__call__(a, b, out, sched_buf, max_clusters, stream)`` takes 2-D
+    row-major A, B (layout per `layout`), `out` (M, N) or, with split-K, the
+    fp32 workspace (S, M, N); `sched_buf` is the int32[2] buffer of the
+    dynamic scheduler (unused by the others) and `max_clusters` the clusters
+    the device runs at once.
+    """
+
+    def __init__(self, cfg: GemmConfig, layout: str = "tn"):
+        self.can_implement(cfg, layout)
+        self.cfg = cfg
+        self.layout = layout
+        self.sched = SchedulerSpec.from_config(cfg)
+        self.tile_mn = (cfg.tile_m, cfg.tile_n)
+        self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
+        self.stages = cfg.stages
+        self.split_k = cfg.split_k
+        self.mma_groups = cfg.consumer_warpgroups
+        self.threads = (1 + self.mma_groups) * _THREADS_PER_GROUP
+        self.mma_threads = self.mma_groups * _THREADS_PER_GROUP
+        # Ring consumers per CTA: the load warp and every consumer warp.
+        self.ring_consumer_warps = 1 + self.mma_groups * _WARPS_PER_GROUP
+        self.ring_words = ClaimRing.storage_words(self.sched)
+        self.epi_tile = (cfg.tile_m, EPI_SUBTILE_N)
+        self.epi_stages = EPI_BUFFERS
+
+    @staticmethod
+    def can_implement(cfg: GemmConfig, layout: str) -> None:
+        """Raise InvalidConfig unless this class builds `cfg` (space rules hold already)."""
+        if cfg.arch != "sm90":
+            raise InvalidConfig(f"{cfg.arch} config given to the sm90 kernel")
+        if layout not in ("tn", "nn"):
+            raise InvalidConfig(f"unknown layout {layout!r}")
+
+    # ------------------------------------------------------------------ host side
+
+    def _views(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
+        """(m, k, l), (n, k, l) and (m, n, l) views; l is the K slice."""
+        s = self.split_k
+        m, k = a.shape
+        k_slice = k
+        if const_expr(s > 1):
+            k_slice = cute.assume(k // s, divby=8)
+        a3 = cute.make_tensor(a.iterator, cute.make_layout((m, k_slice, s), stride=(a.stride[0], 1, k_slice)))
+        if const_expr(self.layout == "tn"):
+            n = b.shape[0]
+            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k_slice, s), stride=(b.stride[0], 1, k_slice)))
+        else:
+            n = b.shape[1]
+            b3 = cute.make_tensor(
+                b.iterator, cute.make_layout((n, k_slice, s), stride=(1, b.stride[0], b.stride[0] * k_slice))
+            )
+        if const_expr(s > 1):
+            c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, s), stride=(c.stride[1], 1, c.stride[0])))
+        else:
+            c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, m * c.stride[0])))
+        return a3, b3, c3
+
+    def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> None:
+        self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
+        self.a_layout = utils.LayoutEnum.from_tensor(a)
+        self.b_layout = utils.LayoutEnum.from_tensor(b)
+        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype,
+            self.b_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            cutlass.Float32,
+            (self.mma_groups, 1, 1),
+            tiler_mn=(64, self.tile_mn[1]),
+        )
+        self.tile_mnk = (*self.tile_mn, TILE_K)
+        self.a_mcast = self.cluster_mn[1]
+        self.b_mcast = self.cluster_mn[0]
+        self.a_smem, self.b_smem, self.c_smem = self._smem_layouts()
+
+    def _smem_layouts(self):
+        def staged(shape_mk, dtype, layout, stages):
+            k_major = layout.sm90_mma_major_mode() == cute.nvgpu.warpgroup.OperandMajorMode.K
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(layout, dtype, shape_mk[1 if k_major else 0]), dtype
+            )
+            return cute.tile_to_shape(atom, (*shape_mk, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
+
+        tm, tn, tk = self.tile_mnk
+        a_smem = staged((tm, tk), self.a_dtype, self.a_layout, self.stages)
+        b_smem = staged((tn, tk), self.b_dtype, self.b_layout, self.stages)
+        c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.c_layout, self.c_dtype, self.epi_tile[1]), self.c_dtype
+        )
+        c_smem = cute.tile_to_shape(c_atom, (*self.epi_tile, self.epi_stages), order=(0, 1, 2))
+        return a_smem, b_smem, c_smem
+
+    @staticmethod
+    def _tma_load(tensor, smem_staged, tile, mcast):
+        op = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            if mcast == 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+        )
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=mcast
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        sched_buf: cute.Tensor,
+        max_clusters: Int32,
+        stream,
+    ):
+        a3, b3, c3 = self._views(a, b, c)
+        self._setup(a3, b3, c3)
+        tm, tn, tk = self.tile_mnk
+        tma_a, ta = self._tma_load(a3, self.a_smem, (tm, tk), self.a_mcast)
+        tma_b, tb = self._tma_load(b3, self.b_smem, (tn, tk), self.b_mcast)
+        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            c3,
+            cute.slice_(self.c_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+        grid = TileGrid.of(c3.shape, self.tile_mn, self.cluster_mn)
+
+        @cute.struct
+        class SharedStorage:
+            load_bars: cute.struct.MemRange[Int64, 2 * self.stages]
+            ring_bars: cute.struct.MemRange[Int64, self.ring_words[0]]
+            ring_slots: cute.struct.Align[cute.struct.MemRange[Int32, self.ring_words[1]], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], _SMEM_ALIGN]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], _SMEM_ALIGN]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], _SMEM_ALIGN]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, ta, tma_b, tb, tma_c, tc, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem, sched_buf
+        ).launch(
+            grid=self.sched.grid_shape(grid, max_clusters),
+            block=[self.threads, 1, 1],
+            cluster=(*self.cluster_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        c_smem: cute.ComposedLayout,
+        sched_buf: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == _LOAD_WARP:
+            for atom in (tma_a, tma_b, tma_c):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cluster_layout.get_flat_coord(rank)
+        # A is shared by the CTAs of a cluster row (same m), B by a column.
+        a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1) if self.a_mcast > 1 else 0
+        b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0) if self.b_mcast > 1 else 0
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.b_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
+        # Every consumer warp releases a stage once per CTA that filled it.
+        releases = (self.a_mcast + self.b_mcast - 1) * self.mma_groups * _WARPS_PER_GROUP
+        load_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.load_bars.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releases),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            defer_sync=True,
+        )
+        ring = None
+        if const_expr(self.sched.dynamic):
+            ring = ClaimRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(), self.ring_consumer_warps
+            )
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+
+        # (bM, bK, tiles_m, tiles_k, l) and friends
+        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+        grid = TileGrid.of(mC.shape, self.tile_mn, self.cluster_mn)
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a,
+            cluster_coord[1],
+            cute.make_layout(cute.slice_(cluster_layout, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b,
+            cluster_coord[0],
+            cute.make_layout(cute.slice_(cluster_layout, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+        group_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_GROUP)
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if group_idx == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == _LOAD_WARP:
+                sched = TileScheduler.create(self.sched, grid, ring)
+                work = sched.initial_work()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                while work.is_valid:
+                    m, n, l = work.tile
+                    tAgA_t = tAgA[(None, m, None, l)]
+                    tBgB_t = tBgB[(None, n, None, l)]
+                    for kt in range(k_tiles):
+                        load_pipe.producer_acquire(state)
+                        bar = load_pipe.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+                        load_pipe.producer_commit(state)
+                        state.advance()
+                    work = sched.advance()
+                load_pipe.producer_tail(state)
+            if warp_idx == _SCHED_WARP:
+                TileScheduler.create(self.sched, grid, ring).serve_claims(sched_buf)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self._consume(
+                tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
+                TileScheduler.create(self.sched, grid, ring),
+            )
+
+    @cute.jit
+    def _consume(self, tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx, sched):
+        """Consumer warpgroups: WGMMA over the ring, then the TMA-store epilogue."""
+        mma_tidx = tidx - _THREADS_PER_GROUP
+        thr_mma = tiled_mma.get_slice(
+            cute.make_layout(self.mma_groups, stride=_THREADS_PER_GROUP)(group_idx - 1)
+        )
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], cutlass.Float32)
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        # registers -> smem copy of one epilogue sub-tile
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_r2s = r2s.get_slice(mma_tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_acc = r2s.retile(acc)
+        sub_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
+        sub_out = cute.make_rmem_tensor(sub_shape, self.c_dtype)
+        sub_size = cute.size(sub_acc)
+        epi_bar = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID, num_threads=self.mma_threads)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+        )
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        store_warp = warp_idx == _WARPS_PER_GROUP
+        subtiles_done = Int32(0)
+
+        work = sched.initial_work()
+        while work.is_valid:
+            m, n, l = work.tile
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            # Keep one k-tile of WGMMA in flight: release a stage only once
+            # the WGMMAs after it were issued.
+            for kt in range(k_tiles):
+                load_pipe.consumer_wait(read)
+                for kb in cutlass.range_constexpr(k_blocks):
+                    coord = (None, None, kb, read.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                read.advance()
+                if kt > 0:
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    load_pipe.consumer_release(release)
+                    release.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            load_pipe.consumer_release(release)
+            release.advance()
+
+            gC_tile = cute.zipped_divide(gC[(None, None, m, n, l)], self.epi_tile)
+            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_tile
+            )
+            subtiles = cute.size(gC_tile, mode=[1])
+            for sub in cutlass.range_constexpr(subtiles):
+                for v in cutlass.range_constexpr(sub_size):
+                    sub_acc[v] = tRS_acc[sub * sub_size + v]
+                sub_out.store(sub_acc.load().to(self.c_dtype))
+                buf = (subtiles_done + sub) % self.epi_stages
+                cute.copy(r2s, sub_out, tRS_sC[(None, None, None, buf)])
+                # Generic-proxy smem writes must be visible to the TMA store.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_bar.arrive_and_wait()
+                if store_warp:
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (0, sub))])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                epi_bar.arrive_and_wait()
+            subtiles_done += subtiles
+            work = sched.advance()
+        store_pipe.producer_tail()

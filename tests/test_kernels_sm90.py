@@ -1,0 +1,186 @@
+"""The sm90 kernel pool: offline compiles with PTX checks (CI), correctness on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import compile as kc
+from kernels.space import GemmConfig, check_problem
+
+DYN = "dynamic_persistent"
+STATIC = "static_persistent"
+SINGLE = "single_tile"
+
+
+def _v(layout="tn", dtype_in="bf16", dtype_out="bf16", **fields) -> kc.Variant:
+    return kc.Variant(GemmConfig(**fields), dtype_in, dtype_out, layout)
+
+
+# A spread over schedulers, tiles (1 and 2 consumer warpgroups), clusters
+# (multicast of A and of B), stages, swizzle/raster, layouts, dtypes, split-K.
+OFFLINE = [
+    _v(scheduler=STATIC),
+    _v(scheduler=STATIC, tile_m=128, tile_n=256, stages=4, swizzle=4),
+    _v("nn", scheduler=STATIC, tile_m=256, tile_n=128, stages=3, swizzle=2, raster="n"),
+    _v("nn", scheduler=STATIC, tile_m=64, tile_n=64, stages=8, swizzle=8),
+    _v(scheduler=STATIC, tile_m=64, tile_n=256, stages=5, cluster_m=2),
+    _v("nn", scheduler=STATIC, tile_m=128, tile_n=192, cluster_n=2),
+    _v(scheduler=STATIC, tile_m=128, tile_n=96, stages=2, cluster_m=2, cluster_n=2),
+    _v(scheduler=SINGLE),
+    _v("nn", scheduler=SINGLE, tile_m=64, tile_n=96, cluster_m=2, stages=6),
+    _v(scheduler=SINGLE, tile_m=256, tile_n=64, cluster_n=2, stages=3),
+    _v(scheduler=DYN),
+    _v("nn", scheduler=DYN, tile_m=128, tile_n=256, sched_depth=2, cluster_m=2),
+    _v(scheduler=DYN, tile_m=64, tile_n=160, sched_depth=3, cluster_n=2, swizzle=4, raster="n"),
+    _v("nn", scheduler=DYN, tile_m=256, tile_n=128, stages=3, cluster_m=2, swizzle=2),
+    _v(scheduler=DYN, cluster_m=2, cluster_n=2, sched_depth=2),
+    _v(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128),
+    _v("nn", scheduler=DYN, split_k=4, tile_m=128, tile_n=64, sched_depth=2),
+    _v(scheduler=SINGLE, split_k=8, tile_m=64, tile_n=64),
+    _v(scheduler=STATIC, dtype_out="fp32"),
+    _v("nn", scheduler=DYN, dtype_out="fp32", tile_n=64),
+    _v(scheduler=STATIC, dtype_in="fp16", dtype_out="fp16", tile_n=160),
+    _v("nn", scheduler=SINGLE, dtype_in="fp16", dtype_out="fp32", tile_m=64),
+]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return kc.compile_offline(OFFLINE, workers=os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("i", range(len(OFFLINE)), ids=[v.key() for v in OFFLINE])
+def test_offline_ptx(offline, i):
+    v, k = OFFLINE[i], offline[i]
+    assert ".target sm_90a" in k.ptx
+    assert "wgmma.mma_async" in k.ptx
+    assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler == DYN)
+    # Only a cluster's leader claims; others receive over DSMEM.
+    assert ("st.async" in k.ptx) == (v.cfg.scheduler == DYN and v.cfg.cluster_size > 1)
+    assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
+    assert k.registers is not None and 0 < k.registers <= 255
+    # The space's budget covers what the kernel allocates.
+    assert k.smem_bytes <= v.cfg.smem_bytes()
+
+
+# ---------------------------------------------------------------- GPU
+
+GPU_CONFIGS = [
+    GemmConfig(scheduler=SINGLE),
+    GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=96, cluster_m=2),
+    GemmConfig(scheduler=STATIC, swizzle=4),
+    GemmConfig(scheduler=STATIC, tile_m=256, tile_n=128, stages=3, cluster_n=2, raster="n", swizzle=2),
+    GemmConfig(scheduler=STATIC, tile_m=64, tile_n=256, stages=5, cluster_m=2, cluster_n=2),
+    GemmConfig(scheduler=DYN),
+    GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, sched_depth=3, cluster_m=2, swizzle=4),
+    GemmConfig(scheduler=DYN, tile_m=64, tile_n=160, sched_depth=2, cluster_n=2, raster="n"),
+]
+SPLIT_K_CONFIGS = [
+    GemmConfig(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128),
+    GemmConfig(scheduler=DYN, split_k=4, tile_m=128, tile_n=64, sched_depth=2),
+]
+# Sizes off every tile multiple, a single row, a single k-block, N = 8.
+SHAPES = [(1, 256, 4096), (300, 200, 136), (1000, 1000, 1000), (129, 8, 520), (77, 264, 8), (2048, 1536, 1024)]
+SPLIT_K_SHAPES = [(1, 256, 4096), (300, 200, 1024), (129, 8, 2048)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _operands(m, n, k, layout, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    b = torch.randn((n, k) if layout == "tn" else (k, n), device="cuda", generator=gen).to(dtype)
+    ref = a.float() @ (b.float().T if layout == "tn" else b.float())
+    return a, b, ref
+
+
+def _rel_err(out, ref) -> float:
+    return (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def _check(cfg, layout, shapes, dtype_out="bf16"):
+    runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out=dtype_out, layout=layout)
+    for m, n, k in shapes:
+        check_problem(cfg, m, n, k, dtype_out=dtype_out, layout=layout)
+        a, b, ref = _operands(m, n, k, layout)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=DTYPES[dtype_out])
+        runner(a, b, out)
+        torch.cuda.synchronize()
+        err = _rel_err(out, ref)
+        assert err < 2e-2, f"{cfg.name()} {layout} {(m, n, k)}: rel err {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=lambda c: c.name())
+def test_correct_on_awkward_shapes(cfg, layout):
+    _check(cfg, layout, SHAPES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", SPLIT_K_CONFIGS, ids=lambda c: c.name())
+def test_split_k_correct(cfg, layout):
+    _check(cfg, layout, SPLIT_K_SHAPES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_out", ["fp32", "fp16"])
+def test_output_dtypes(dtype_out):
+    cfg = GemmConfig(scheduler=DYN, sched_depth=2)
+    runner = kc.get_kernel(cfg, dtype_in="fp16", dtype_out=dtype_out, layout="tn")
+    a, b, ref = _operands(333, 264, 520, "tn", torch.float16)
+    out = torch.empty(333, 264, device="cuda", dtype=DTYPES[dtype_out])
+    runner(a, b, out)
+    torch.cuda.synchronize()
+    assert _rel_err(out, ref) < 2e-2
+
+
+def _sched_buf_is_clear() -> bool:
+    return all(int(buf.abs().sum()) == 0 for buf in kc._sched_bufs.values())
+
+
+@pytest.mark.gpu
+def test_dynamic_back_to_back_launches_reset_the_counter():
+    cfg = GemmConfig(scheduler=DYN, cluster_m=2, sched_depth=2)
+    runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="tn")
+    # Grids of different sizes in a row: a stale counter would skip tiles.
+    cases = [_operands(m, n, k, "tn", seed=i) for i, (m, n, k) in enumerate(
+        [(4096, 4096, 512), (100, 300, 64), (4096, 4096, 512), (2000, 72, 1024), (64, 64, 64)] * 2
+    )]
+    outs = [torch.full(ref.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for _, _, ref in cases]
+    for (a, b, _), out in zip(cases, outs):
+        runner(a, b, out)
+    torch.cuda.synchronize()
+    for (_, _, ref), out in zip(cases, outs):
+        assert _rel_err(out, ref) < 2e-2
+    assert _sched_buf_is_clear()
+
+
+@pytest.mark.gpu
+def test_dynamic_under_cuda_graph_replay():
+    cfg = GemmConfig(scheduler=DYN, sched_depth=1, swizzle=2)
+    runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="nn")
+    a, b, ref = _operands(3000, 2056, 256, "nn")
+    a2, b2, ref2 = _operands(500, 4096, 128, "nn", seed=1)
+    out = torch.empty(ref.shape, device="cuda", dtype=torch.bfloat16)
+    out2 = torch.empty(ref2.shape, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        runner(a, b, out)  # first use on this stream creates its buffer outside capture
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(3):
+                runner(a, b, out)
+                runner(a2, b2, out2)
+    for _ in range(5):
+        out.fill_(float("nan"))
+        out2.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, ref) < 2e-2
+        assert _rel_err(out2, ref2) < 2e-2
+    assert _sched_buf_is_clear()
