@@ -33,7 +33,7 @@ from kernels.space import GemmConfig, InvalidConfig, check_operands
 
 # Kernel class per arch, as "module:Class" so that importing this module stays
 # free of cutlass. Another arch registers itself with `register_kernel`.
-_KERNEL_CLASSES = {"sm90": "kernels.sm90.gemm:Sm90GemmKernel"}
+_KERNEL_CLASSES = {"sm90": "kernels.sm90.gemm:Sm90GemmKernel", "sm100": "kernels.sm100.gemm:Sm100GemmKernel"}
 _TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
 # SMs of the reference GPU per arch (H100 SXM, B200): the max-clusters figure
 # an offline compile is given; a runner uses the real device's.
