@@ -31,7 +31,6 @@ from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.sm100 import clc
 from kernels.space import GemmConfig, InvalidConfig
 
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
 # Epilogue staging buffers in smem: one being filled while the previous one's
 # TMA store drains.
 _C_STAGES = 2
@@ -42,7 +41,8 @@ class Sm100GemmKernel:
 
     ``__call__(a, b, out, sched_buf, max_clusters, stream, rows=None)`` takes
     2-D row-major A (M, K), B ((N, K) for "tn", (K, N) for "nn") and `out`
-    (M, N); `sched_buf` is the int32[2] buffer of the atomic scheduler
+    (M, N) or, with split-K, the fp32 workspace (S, M, N): each K slice is
+    one batch of the tile walk and the caller sums the slices; `sched_buf` is the int32[2] buffer of the atomic scheduler
     (unused by the others) and `max_clusters` the clusters the device runs at
     once (a runtime value, so an SM carve-out needs no recompile).
     `rows`, an optional device int32[1], makes the launch a padded one: A and
@@ -88,8 +88,6 @@ class Sm100GemmKernel:
             raise InvalidConfig(f"{cfg.arch} config given to the sm100 kernel")
         if layout not in space.LAYOUTS:
             raise InvalidConfig(f"unknown layout {layout!r}")
-        if cfg.split_k != 1:
-            raise InvalidConfig("the sm100 kernel has no split-K")
         if cfg.tile_n % 32:
             raise InvalidConfig(f"the TMA-store epilogue needs tile_n a multiple of 32, not {cfg.tile_n}")
         space.validate(cfg)
@@ -97,17 +95,8 @@ class Sm100GemmKernel:
     # ------------------------------------------------------------------ host
 
     def _views(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
-        """(m, k, 1), (n, k, 1) and (m, n, 1) views of the 2-D operands."""
-        m, k = a.shape
-        a3 = cute.make_tensor(a.iterator, cute.make_layout((m, k, 1), stride=(a.stride[0], 1, 0)))
-        if cutlass.const_expr(self.layout == "tn"):
-            n = b.shape[0]
-            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, 1), stride=(b.stride[0], 1, 0)))
-        else:
-            n = b.shape[1]
-            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, 1), stride=(1, b.stride[0], 0)))
-        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, 0)))
-        return a3, b3, c3
+        """(m, k, l), (n, k, l) and (m, n, l) views of the operands; l is the K slice."""
+        return operand_views(a, b, c, self.layout, self.cfg.split_k)
 
     def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
         self.a_dtype = a.element_type
@@ -481,6 +470,28 @@ class Sm100GemmKernel:
         return (m // cute.size(tiled_mma.thr_id.shape), n, l)
 
 
-def dtype(name: str) -> type[cutlass.Numeric]:
-    """The CuTe element type of a pool dtype name ("bf16", "fp16", "fp32")."""
-    return _DTYPES[name]
+@cute.jit
+def operand_views(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, layout: str, split_k: int):
+    """(m, k, l), (n, k, l) and (m, n, l) views of 2-D row-major operands.
+
+    With split_k > 1, l indexes the K slices and `c` is the (S, M, N) fp32
+    workspace the slices are written to.
+    """
+    m, k = a.shape
+    k_slice = k
+    if cutlass.const_expr(split_k > 1):
+        k_slice = cute.assume(k // split_k, divby=8)
+    a3 = cute.make_tensor(a.iterator, cute.make_layout((m, k_slice, split_k), stride=(a.stride[0], 1, k_slice)))
+    if cutlass.const_expr(layout == "tn"):
+        n = b.shape[0]
+        b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k_slice, split_k), stride=(b.stride[0], 1, k_slice)))
+    else:
+        n = b.shape[1]
+        b3 = cute.make_tensor(
+            b.iterator, cute.make_layout((n, k_slice, split_k), stride=(1, b.stride[0], b.stride[0] * k_slice))
+        )
+    if cutlass.const_expr(split_k > 1):
+        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, split_k), stride=(c.stride[1], 1, c.stride[0])))
+    else:
+        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, m * c.stride[0])))
+    return a3, b3, c3
