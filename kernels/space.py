@@ -39,6 +39,9 @@ SMEM_RESERVED = 1024
 # buffers deep, sized for the widest output dtype (fp32).
 EPI_SUBTILE_N = 32
 EPI_BUFFERS = 2
+# On sm100 an epilogue sub-tile holds 4096 elements whatever the CTA tile
+# (128x32, or 64x64 for 64-row CTA tiles), as the tcgen05 TMEM loads dictate.
+SM100_EPI_SUBTILE_ELEMS = 4096
 # Tensor memory on sm100: 512 columns of 32-bit cells per SM (128 lanes).
 TMEM_COLUMNS = 512
 # Accumulator registers one consumer thread may hold on sm90 (fp32 values);
@@ -182,7 +185,10 @@ def smem_bytes(cfg: GemmConfig, dtype_in: str = "bf16") -> int:
     a_rows = cfg.tile_m // cfg.cta_group
     b_rows = cfg.tile_n // cfg.cta_group
     stage = (a_rows + b_rows) * TILE_K * elem
-    epilogue = cfg.cta_tile_m * EPI_SUBTILE_N * DTYPE_BYTES["fp32"] * EPI_BUFFERS
+    if cfg.arch == "sm100":
+        epilogue = SM100_EPI_SUBTILE_ELEMS * DTYPE_BYTES["fp32"] * EPI_BUFFERS
+    else:
+        epilogue = cfg.cta_tile_m * EPI_SUBTILE_N * DTYPE_BYTES["fp32"] * EPI_BUFFERS
     return cfg.stages * stage + epilogue + SMEM_RESERVED
 
 
