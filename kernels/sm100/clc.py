@@ -35,7 +35,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Boolean, Int32, const_expr
 
-from kernels.schedulers import SchedulerSpec, TileGrid, WorkTile, decode_tile
+from kernels.schedulers import SchedulerSpec, TileGrid, TileScheduler, WorkTile
 
 # Bytes of one try_cancel response; one ring slot holds one response.
 RESPONSE_BYTES = 16
@@ -47,41 +47,30 @@ TAIL_CANCEL_BURST = 16
 
 
 @dataclass(frozen=True)
-class ClcSpec:
-    """Compile-time description of a CLC scheduler (from a `kernels.space.GemmConfig`)."""
+class ClcSpec(SchedulerSpec):
+    """A `SchedulerSpec` of kind "clc"; `depth` is the CLC pipeline depth."""
 
-    cluster_mn: tuple[int, int] = (1, 1)
-    swizzle: int = 1
-    raster_m: bool = True
-    depth: int = 1
-    tail_cancel: bool = False
     kind: str = "clc"
+    tail_cancel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind != "clc":
+            raise ValueError(f"a ClcSpec is of kind 'clc', not {self.kind!r}")
 
     @staticmethod
     def from_config(cfg) -> "ClcSpec":
         return ClcSpec(
-            cluster_mn=(cfg.cluster_m, cfg.cluster_n),
-            swizzle=cfg.swizzle,
-            raster_m=cfg.raster == "m",
-            depth=cfg.sched_depth,
-            tail_cancel=cfg.tail_cancel,
+            cluster_mn=(cfg.cluster_m, cfg.cluster_n), swizzle=cfg.swizzle, raster_m=cfg.raster == "m",
+            depth=cfg.sched_depth, tail_cancel=cfg.tail_cancel,
         )
-
-    @property
-    def cluster_size(self) -> int:
-        return self.cluster_mn[0] * self.cluster_mn[1]
-
-    @property
-    def dynamic(self) -> bool:
-        return True
 
     @property
     def slots(self) -> int:
         return self.depth + (TAIL_CANCEL_BURST if self.tail_cancel else 0)
 
     def grid_shape(self, grid: TileGrid, max_clusters: Int32) -> tuple:
-        """Every cluster tile is launched, exactly as for single_tile."""
-        return SchedulerSpec("single_tile", self.cluster_mn).grid_shape(grid, max_clusters)
+        """Every cluster tile is launched: CLC steals from the launch queue, it never sizes it."""
+        return (self.cluster_mn[0] * grid.count, self.cluster_mn[1], 1)
 
 
 def storage_words(spec: ClcSpec) -> tuple[int, int]:
@@ -159,6 +148,8 @@ class ClcRing:
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(self.tail_bar, 1)
             cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(self.tail_bar, count * RESPONSE_BYTES)
             for i in cutlass.range_constexpr(TAIL_CANCEL_BURST):
                 if i < count:
@@ -166,64 +157,31 @@ class ClcRing:
         cute.arch.mbarrier_wait(self.tail_bar, 0)
 
 
-class ClcScheduler:
-    """One warp role's view of a CLC schedule (each role holds its own instance)."""
+class ClcScheduler(TileScheduler):
+    """One warp role's view of a CLC schedule (each role holds its own instance).
 
-    def __init__(self, spec: ClcSpec, grid: TileGrid, rank_mn: tuple, idx: Int32, granted: Boolean,
-                 ring: ClcRing, state: pipeline.PipelineState):
-        self.spec = spec
-        self.grid = grid
-        self.rank_mn = rank_mn
-        self._idx = idx
-        self._granted = granted
-        self._ring = ring
-        self._state = state
-
-    def __extract_mlir_values__(self) -> list:
-        return (
-            cutlass.extract_mlir_values(self._idx)
-            + cutlass.extract_mlir_values(self._granted)
-            + cutlass.extract_mlir_values(self._state)
-        )
+    A failed query moves the cluster to index `num_clusters` (the launched
+    clusters), past every tile and distinguishable from a granted phantom.
+    """
 
     def __new_from_mlir_values__(self, values: list) -> "ClcScheduler":
+        base = super().__new_from_mlir_values__(values)
         return ClcScheduler(
-            self.spec, self.grid, self.rank_mn,
-            cutlass.new_from_mlir_values(self._idx, values[:1]),
-            cutlass.new_from_mlir_values(self._granted, values[1:2]),
-            self._ring,
-            cutlass.new_from_mlir_values(self._state, values[2:]),
+            self.spec, self.grid, self.num_clusters, self.rank_mn, base._idx, self._ring, base._state
         )
 
     @staticmethod
     def create(spec: ClcSpec, grid: TileGrid, ring: ClcRing) -> "ClcScheduler":
         """The schedule as seen from the calling CTA; `grid` counts the real work only."""
-        cm = spec.cluster_mn[0]
-        bidx, bidy, _ = cute.arch.block_idx()
-        cluster = Int32(bidx) // cm
-        rank_mn = (Int32(bidx) - cluster * cm, Int32(bidy))
+        base = TileScheduler.create(spec, grid)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
-        return ClcScheduler(spec, grid, rank_mn, cluster, Boolean(True), ring, state)
-
-    def _work(self) -> WorkTile:
-        cl_m, cl_n, l = decode_tile(self._idx, self.grid, self.spec.swizzle, self.spec.raster_m)
-        cm, cn = self.spec.cluster_mn
-        tile = (
-            cute.arch.make_warp_uniform(cl_m * cm + self.rank_mn[0]),
-            cute.arch.make_warp_uniform(cl_n * cn + self.rank_mn[1]),
-            cute.arch.make_warp_uniform(l),
-        )
-        return WorkTile(tile, self._granted & (self._idx < self.grid.count))
-
-    def initial_work(self) -> WorkTile:
-        return self._work()
+        return ClcScheduler(spec, grid, base.num_clusters, base.rank_mn, base._idx, ring, state)
 
     def advance(self) -> WorkTile:
         """Wait for the next response in the ring and move to the cluster it granted."""
         x, granted = self._ring.receive(self._state)
         self._state.advance()
-        self._idx = x // self.spec.cluster_mn[0]
-        self._granted = granted
+        self._idx = cutlass.select_(granted, x // self.spec.cluster_mn[0], self.num_clusters)
         return self._work()
 
     @cute.jit
@@ -249,9 +207,9 @@ def _serve(sched: ClcScheduler, ring: ClcRing) -> None:
         work = sched.advance()
     ring.pipe.producer_tail(producer)
     if const_expr(sched.spec.tail_cancel):
-        # Granted yet invalid: a phantom of a padded grid, so every real tile
-        # is taken and what is still pending is padding.
-        launched = cute.arch.grid_dim()[0] // sched.spec.cluster_mn[0]
-        pending = launched - sched._idx - 1
-        if sched._granted & (pending > 0):
+        # An invalid tile below the launched clusters was granted: a phantom
+        # of a padded grid, so every real tile is taken and what is still
+        # pending is padding.
+        pending = sched.num_clusters - sched._idx - 1
+        if pending > 0:
             ring.cancel_burst(cutlass.min(Int32(TAIL_CANCEL_BURST), pending))
