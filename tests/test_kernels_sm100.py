@@ -1,0 +1,86 @@
+"""The sm100 kernel pool: offline compiles for sm_100a with PTX checks (CI), correctness on a Blackwell GPU.
+
+No Blackwell GPU runs these kernels in CI: what is verified here is that every
+variant of the spread compiles for sm_100a and that its PTX holds what its
+scheduler promises (`bench.kernels_sm100.ptx_checks`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bench.kernels_sm100 import AWKWARD, CORRECTNESS_CONFIGS, OFFLINE_VARIANTS, ptx_checks
+from kernels import compile as kc
+from kernels import space
+from kernels.space import GemmConfig, InvalidConfig
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return kc.compile_offline(OFFLINE_VARIANTS, workers=os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("i", range(len(OFFLINE_VARIANTS)), ids=[v.key() for v in OFFLINE_VARIANTS])
+def test_offline_ptx(offline, i):
+    checks = ptx_checks(OFFLINE_VARIANTS[i], offline[i])
+    assert [name for name, holds in checks.items() if not holds] == []
+
+
+def test_spread_covers_schedulers_depths_tail_cancel_and_clusters():
+    cfgs = [v.cfg for v in OFFLINE_VARIANTS]
+    assert {c.scheduler for c in cfgs} == set(space.SCHEDULERS)
+    clc = [c for c in cfgs if c.scheduler == "clc"]
+    assert {(c.sched_depth, c.tail_cancel) for c in clc} == {(d, t) for d in (1, 2, 3) for t in (False, True)}
+    clusters = {(c.cluster_m, c.cluster_n, c.cta_group) for c in cfgs}
+    assert {(1, 1, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1), (4, 4, 2)} <= clusters
+    assert {v.layout for v in OFFLINE_VARIANTS} == {"tn", "nn"}
+    assert any(c.split_k > 1 for c in cfgs) and any(v.dtype_out == "fp32" for v in OFFLINE_VARIANTS)
+
+
+def test_checks_catch_a_wrong_scheduler(offline):
+    # The PTX of a static kernel fails the checks of a CLC config of the same shape.
+    static = next(i for i, v in enumerate(OFFLINE_VARIANTS) if v.cfg.scheduler == "static_persistent")
+    v = OFFLINE_VARIANTS[static]
+    as_clc = kc.Variant(GemmConfig(**{**v.cfg.to_dict(), "scheduler": "clc"}), v.dtype_in, v.dtype_out, v.layout)
+    checks = ptx_checks(as_clc, offline[static])
+    assert not checks["try_cancel exactly in clc"] and not checks["threads per CTA"]
+
+
+def test_kernel_refuses_other_archs_and_layouts():
+    from kernels.sm100.gemm import Sm100GemmKernel
+
+    with pytest.raises(InvalidConfig, match="sm90"):
+        Sm100GemmKernel(GemmConfig(arch="sm90"))
+    with pytest.raises(InvalidConfig, match="layout"):
+        Sm100GemmKernel(GemmConfig(arch="sm100"), layout="tt")
+
+
+# ---------------------------------------------------------------- Blackwell GPU
+
+
+def _blackwell() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _blackwell(), reason="needs a Blackwell (sm_100) GPU")
+@pytest.mark.parametrize("cfg", CORRECTNESS_CONFIGS, ids=GemmConfig.name)
+def test_matches_fp32_reference_on_awkward_shapes(cfg):
+    torch.manual_seed(0)
+    for m, n, k, layout, dtype_out in AWKWARD:
+        if cfg.split_k > 1 and k % (8 * cfg.split_k):
+            continue
+        dtype_in = "fp16" if dtype_out == "fp16" else "bf16"
+        run = kc.get_kernel(cfg, dtype_in=dtype_in, dtype_out=dtype_out, layout=layout)
+        t_in = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_in]
+        t_out = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_out]
+        a = torch.randn(m, k, device="cuda", dtype=t_in)
+        b = torch.randn((n, k) if layout == "tn" else (k, n), device="cuda", dtype=t_in)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=t_out)
+        run(a, b, out)
+        ref = a.float() @ (b.float().T if layout == "tn" else b.float())
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, (m, n, k, layout, dtype_out, err)
