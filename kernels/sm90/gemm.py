@@ -324,7 +324,12 @@ class Sm90GemmKernel:
         sub_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
         sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
         sub_out = cute.make_rmem_tensor(sub_shape, self.c_dtype)
-        sub_size = cute.size(sub_acc)
+        # tRS_acc is ((values of one 64-row block, column chunks), row blocks);
+        # a sub-tile takes `sub_chunks` chunks of every row block.
+        chunk_vals = cute.size(sub_acc, mode=[0])
+        row_blocks = cute.size(sub_acc, mode=[1])
+        sub_chunks = cute.size(sub_acc, mode=[2])
+        block_vals = cute.size(tRS_acc, mode=[0])
         epi_bar = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID, num_threads=self.mma_threads)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
@@ -364,8 +369,10 @@ class Sm90GemmKernel:
             )
             subtiles = cute.size(gC_tile, mode=[1])
             for sub in cutlass.range_constexpr(subtiles):
-                for v in cutlass.range_constexpr(sub_size):
-                    sub_acc[v] = tRS_acc[sub * sub_size + v]
+                for i in cutlass.range_constexpr(cute.size(sub_acc)):
+                    v, rest = i % chunk_vals, i // chunk_vals
+                    block, chunk = rest % row_blocks, sub * sub_chunks + rest // row_blocks
+                    sub_acc[i] = tRS_acc[v + chunk_vals * chunk + block_vals * block]
                 sub_out.store(sub_acc.load().to(self.c_dtype))
                 buf = (subtiles_done + sub) % self.epi_stages
                 cute.copy(r2s, sub_out, tRS_sC[(None, None, None, buf)])
