@@ -22,7 +22,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.memory import TmemAllocator, get_num_tmem_alloc_cols
+from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils.gemm.sm100 import epilogue_tma_store
 
@@ -42,9 +42,10 @@ class Sm100GemmKernel:
     ``__call__(a, b, out, sched_buf, max_clusters, stream, rows=None)`` takes
     2-D row-major A (M, K), B ((N, K) for "tn", (K, N) for "nn") and `out`
     (M, N) or, with split-K, the fp32 workspace (S, M, N): each K slice is
-    one batch of the tile walk and the caller sums the slices; `sched_buf` is the int32[2] buffer of the atomic scheduler
-    (unused by the others) and `max_clusters` the clusters the device runs at
-    once (a runtime value, so an SM carve-out needs no recompile).
+    one batch of the tile walk and the caller sums the slices. `sched_buf` is
+    the int32[2] buffer of the atomic scheduler (unused by the others) and
+    `max_clusters` the clusters the device runs at once (a runtime value, so
+    an SM carve-out needs no recompile).
     `rows`, an optional device int32[1], makes the launch a padded one: A and
     `out` are worst-case buffers of which only the first rows[0] rows are
     real. The grid still covers the whole buffer (as a CUDA graph needs) and
@@ -253,8 +254,7 @@ class Sm100GemmKernel:
         block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
         tidx, _, _ = cute.arch.thread_idx()
 
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
 
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
@@ -353,7 +353,7 @@ class Sm100GemmKernel:
         if cutlass.const_expr(rows is not None):
             work_rows = rows[0]
         tiles = TileGrid.of(
-            (work_rows, mC_mnl.shape[1], 1), self.cta_tile_shape_mnk[:2], self.cluster_shape_mn
+            (work_rows, mC_mnl.shape[1], mC_mnl.shape[2]), self.cta_tile_shape_mnk[:2], self.cluster_shape_mn
         )
 
         pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
@@ -391,9 +391,7 @@ class Sm100GemmKernel:
 
         # ---- MMA warp
         if warp_idx == self.mma_warp_id:
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
             acc_producer_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.num_acc_stage
             )
@@ -428,9 +426,7 @@ class Sm100GemmKernel:
         # ---- epilogue warps
         if warp_idx < self.mma_warp_id:
             tmem.allocate(self.num_tmem_alloc_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
             acc_consumer_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.num_acc_stage
             )
@@ -456,7 +452,12 @@ class Sm100GemmKernel:
                 tiles_done += 1
             c_pipeline.producer_tail()
             tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+            tmem.free(tCtAcc_base.iterator)
+
+    def _accumulators(self, tmem: TmemAllocator, fake: cute.Tensor) -> cute.Tensor:
+        """The TMEM accumulator stages, once the epilogue warps' allocation has landed."""
+        tmem.wait_for_alloc()
+        return cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), fake.layout)
 
     def _scheduler(self, tiles: TileGrid, ring):
         if cutlass.const_expr(self.cfg.scheduler == "clc"):
