@@ -1,0 +1,252 @@
+"""The HTTP service over the winners database (OpenAPI at /docs).
+
+`GET /v1/best` answers "which config for this key": the winner of the exact
+key, else of the nearest tuned M (`tuner.lookup.nearest_m`). Without
+`device`, every device of the arch with a winner for the key's (dtypes,
+layout, N, K, groups) competes: the nearest tuned M wins, then a measured
+(gpu) result over a modeled one, then the latest. `stale` compares the
+winner's versions with `current_versions` when the caller sends them (what it
+runs), else with the newest environment recorded for the winner's device and
+backend: a winner is stale once that device has been tuned under other
+software.
+
+`POST /v1/results` imports records in the `tuner export` form behind a bearer
+token: the server's TUNER_TOKEN. Without one configured imports are refused
+with 403 (the server is read-only by choice, not unavailable); a missing or
+wrong token gets 401.
+
+Reads use a reader store (SQLite readers never wait behind a tuning process
+writing in WAL mode) through a cache that drops its answers when the database
+changes (`service.cache`); imports open a writer store on first use.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import threading
+from contextlib import asynccontextmanager
+from importlib import metadata
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+
+from db.engine import resolve_url
+from db.models import Environment
+from db.store import Store, WinnerView
+from service.cache import MISSING, Cache
+from service.schemas import (
+    MAX_IMPORT, Best, BestQuery, Health, Imported, Key, Record, RecordIn, Results, ResultsQuery,
+)
+from tuner.lookup import nearest_m
+
+TOKEN_ENV = "TUNER_TOKEN"
+# Winners of one key family (every M, every device of an arch) a lookup reads.
+_MAX_FAMILY = 100_000
+
+
+def create_app(db_url: str | None = None, *, token: str | None = None) -> FastAPI:
+    """The app over `db_url` (None: $TUNER_DB, else the default file); imports
+    need `token`, else $TUNER_TOKEN."""
+    url = resolve_url(db_url)
+    # Readers do not migrate: bring the schema up once here.
+    Store(url).close()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        app.state.cache.close()
+        app.state.store.close()
+        if app.state.writer is not None:
+            app.state.writer.close()
+
+    app = FastAPI(
+        title="GEMM tuner", version=_version(), lifespan=lifespan,
+        description="Tuned GEMM kernel configs per (arch, device, dtypes, layout, M, N, K, groups) key.",
+    )
+    app.state.url = url
+    app.state.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    app.state.store = Store(url, writer=False)
+    app.state.cache = Cache(app.state.store.engine)
+    app.state.writer = None
+    app.state.writer_lock = threading.Lock()
+    app.include_router(_router)
+    app.add_middleware(_KnownAnswers, cache=app.state.cache)
+    app.add_exception_handler(SQLAlchemyError, _database_error)
+    return app
+
+
+# ---------------------------------------------------------------- dependencies
+
+
+# Dependencies and fast routes are coroutines: a sync one costs a hop to the
+# thread pool, and a thread holding the GIL delays the event loop's socket
+# calls by up to the interpreter's switch interval.
+
+
+async def reader(request: Request) -> Store:
+    return request.app.state.store
+
+
+async def answers(request: Request) -> Cache:
+    return request.app.state.cache
+
+
+def writer(request: Request) -> Store:
+    state = request.app.state
+    with state.writer_lock:
+        if state.writer is None:
+            state.writer = Store(state.url)
+    return state.writer
+
+
+_bearer = HTTPBearer(auto_error=False, description=f"The server's {TOKEN_ENV}.")
+
+
+async def authorized(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    token = request.app.state.token
+    if token is None:
+        raise HTTPException(403, f"imports are disabled: the server was started without {TOKEN_ENV}")
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+
+Reader = Annotated[Store, Depends(reader)]
+Writer = Annotated[Store, Depends(writer)]
+Answers = Annotated[Cache, Depends(answers)]
+
+
+# ---------------------------------------------------------------- routes
+
+
+_router = APIRouter()
+
+
+@_router.get("/healthz", response_model=Health)
+async def healthz(store: Reader) -> Health:
+    with store.engine.connect() as conn:
+        conn.exec_driver_sql("SELECT 1")
+    return Health(status="ok")
+
+
+@_router.get("/v1/best", response_model=Best, responses={404: {"description": "No winner for the key at any M."}})
+async def best(q: Annotated[BestQuery, Query()], store: Reader, cache: Answers) -> Best:
+    """The config serving a key: exact, else the nearest tuned M."""
+    # Blocks the loop on a cache miss (about a millisecond): cheaper than a
+    # thread hop for every request.
+    dtype_out = q.dtype_out or q.dtype
+    fields = dict(
+        arch=q.arch, device=q.device, dtype_in=q.dtype, dtype_out=dtype_out, layout=q.layout,
+        n=q.n, k=q.k, groups=q.groups, group_k="", carveout=q.carveout,
+    )
+    family = cache.get(
+        ("family", *fields.values()), lambda: store.winners(limit=_MAX_FAMILY, **fields),
+    )
+    if not family:
+        where = f"device {q.device!r}" if q.device else f"any {q.arch} device"
+        raise HTTPException(404, (
+            f"no winner for {q.arch} {q.dtype}>{dtype_out} {q.layout} N={q.n} K={q.k} groups={q.groups}"
+            f"{f' carveout={q.carveout}' if q.carveout else ''} on {where} at any M"
+        ))
+    w = _pick(family, q.m)
+    current = q.current_versions
+    if current is None:
+        env = (w.key["device"], w.backend)
+        current = cache.get(("versions", *env), lambda: _newest_versions(store, *env))
+    return Best(
+        key=Key(**{**w.key, "m": q.m}), name=w.name, config=w.config, config_name=w.config_name,
+        scheduler=w.scheduler, ms=w.ms, baseline_ms=w.baseline_ms, speedup=w.speedup, backend=w.backend,
+        versions=w.versions, current_versions=current, stale=w.stale(current), exact=w.key["m"] == q.m,
+        tuned_m=w.key["m"], updated_at=w.updated_at,
+    )
+
+
+@_router.get("/v1/results", response_model=Results)
+def results(q: Annotated[ResultsQuery, Query()], store: Reader) -> Results:
+    """Stored winners matching every given filter, ordered by N, K, M."""
+    filters = q.model_dump(exclude={"limit", "offset"})
+    rows = store.winners(limit=q.limit, offset=q.offset, **filters)
+    items = [Record(**w.to_record()) for w in rows]
+    return Results(items=items, total=store.count_winners(**filters), limit=q.limit, offset=q.offset)
+
+
+@_router.post("/v1/results", response_model=Imported, dependencies=[Depends(authorized)])
+def import_results(
+    records: Annotated[list[RecordIn], Body(max_length=MAX_IMPORT)], store: Writer, cache: Answers,
+) -> Imported:
+    """Store winners; a stored winner is replaced only by a faster one."""
+    count = store.import_records(r.model_dump() for r in records)
+    cache.clear()
+    return Imported(received=len(records), imported=count)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class _KnownAnswers:
+    """Replays the bytes of a /v1/best answer already given for the same query
+    string while the database is unchanged. Parsing, validating and encoding
+    cost about ten times the lookup: a fleet asking for its model's keys over
+    and over gets them at the cost of the HTTP exchange. Only answers (200,
+    404) are kept; rejected queries go through every time."""
+
+    _PATH = "/v1/best"
+    _KEPT = (200, 404)
+
+    def __init__(self, app, cache: Cache) -> None:
+        self.app, self.cache = app, cache
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] != self._PATH or scope["method"] != "GET":
+            return await self.app(scope, receive, send)
+        key = ("answer", scope["query_string"])
+        known, generation = self.cache.find(key)
+        if known is not MISSING:
+            for message in known:
+                await send(message)
+            return
+        sent = []
+
+        async def keep(message) -> None:
+            sent.append(message)
+            await send(message)
+
+        await self.app(scope, receive, keep)
+        if len(sent) == 2 and sent[0].get("status") in self._KEPT and not sent[1].get("more_body"):
+            self.cache.put(key, tuple(sent), generation)
+
+
+
+def _pick(family: list[WinnerView], m: int) -> WinnerView:
+    """The nearest tuned M over every device; among devices tuned at that M a
+    measured result over a modeled one, then the latest."""
+    tuned = nearest_m(m, [w.key["m"] for w in family])
+    at_m = [w for w in family if w.key["m"] == tuned]
+    return min(at_m, key=lambda w: (w.backend != "gpu", -w.updated_at.timestamp()))
+
+
+def _newest_versions(store: Store, device: str, backend: str) -> dict[str, str]:
+    stmt = (
+        select(Environment.versions).filter_by(device=device, backend=backend)
+        .order_by(Environment.created_at.desc(), Environment.id.desc()).limit(1)
+    )
+    with store.session() as s:
+        return s.scalar(stmt)
+
+
+async def _database_error(_request: Request, exc: SQLAlchemyError) -> JSONResponse:
+    return JSONResponse({"detail": f"database unavailable: {type(exc).__name__}"}, status_code=503)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("gemm-tuner")
+    except metadata.PackageNotFoundError:
+        return "0"

@@ -1,0 +1,184 @@
+"""Request and response models of the HTTP service: every bound a request can
+break is stated here, so that it is answered with a 422 naming the field."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, Json, field_validator, model_validator
+
+from kernels.space import ARCHS, DTYPES_IN, DTYPES_OUT, LAYOUTS, GemmConfig, InvalidConfig
+
+# Sizes beyond 2**31 are not GEMMs anyone runs; they are typos or probes.
+MAX_SIZE = 2**31
+MAX_GROUPS = 4096
+MAX_CARVEOUT = 1024
+MAX_PAGE = 1000
+MAX_OFFSET = 2**31
+# An import stores a record in a few milliseconds: a request stays within seconds.
+MAX_IMPORT = 1000
+# Column width of the per-group K list (db.models.GemmKey.group_k).
+GROUP_K_CHARS = 256
+
+Arch = Literal[ARCHS]
+DtypeIn = Literal[DTYPES_IN]
+DtypeOut = Literal[DTYPES_OUT]
+Layout = Literal[LAYOUTS]
+Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
+Groups = Annotated[int, Field(ge=1, le=MAX_GROUPS)]
+Carveout = Annotated[int, Field(ge=0, le=MAX_CARVEOUT)]
+Millis = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+# Column widths of the tables (db.models): longer text could not be stored.
+Device = Annotated[str, Field(min_length=1, max_length=128)]
+Backend = Annotated[str, Field(min_length=1, max_length=16)]
+Versions = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=256)]], Field(max_length=64),
+]
+
+
+class Key(BaseModel):
+    """A tuning key: (arch, device, dtypes, layout, M, N, K, groups)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: Arch
+    device: Device
+    dtype_in: DtypeIn
+    dtype_out: DtypeOut
+    layout: Layout
+    m: Size
+    n: Size
+    k: Size
+    groups: Groups = 1
+    group_k: list[Size] = Field(default_factory=list, max_length=MAX_GROUPS)
+    carveout: Carveout = 0
+
+    @model_validator(mode="after")
+    def _group_k_fits(self) -> "Key":
+        if self.group_k and len(self.group_k) != self.groups:
+            raise ValueError(f"group_k holds {len(self.group_k)} values for {self.groups} groups")
+        if len(",".join(map(str, self.group_k))) > GROUP_K_CHARS:
+            raise ValueError(f"group_k takes more than {GROUP_K_CHARS} characters as text")
+        return self
+
+
+class BestQuery(BaseModel):
+    """GET /v1/best. `device` omitted: the device with the best-matching winner
+    of `arch`. `current_versions` omitted: the versions of the newest
+    environment recorded for the winner's device and backend."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    m: Size
+    n: Size
+    k: Size
+    groups: Groups = 1
+    dtype: DtypeIn = "bf16"
+    dtype_out: Optional[DtypeOut] = Field(None, description="Output dtype; default: `dtype`.")
+    layout: Layout = "tn"
+    arch: Arch = "sm90"
+    device: Optional[Device] = None
+    carveout: Carveout = 0
+    current_versions: Optional[Json[Versions]] = Field(
+        None, description='JSON object of the versions the caller runs, e.g. {"torch": "2.13.0", ...}.',
+    )
+
+
+class ResultsQuery(BaseModel):
+    """GET /v1/results: every given field must match."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    arch: Optional[Arch] = None
+    device: Optional[Device] = None
+    backend: Optional[Backend] = None
+    m: Optional[Size] = None
+    n: Optional[Size] = None
+    k: Optional[Size] = None
+    groups: Optional[Groups] = None
+    limit: int = Field(100, ge=1, le=MAX_PAGE)
+    offset: int = Field(0, ge=0, le=MAX_OFFSET)
+
+
+class Best(BaseModel):
+    """The winner serving a key. `key` is the key asked for (its device
+    resolved); `tuned_m` is the M the winner was tuned at. `config` is None
+    when cuBLAS won."""
+
+    key: Key
+    name: str
+    config: Optional[dict]
+    config_name: str
+    scheduler: str
+    ms: float
+    baseline_ms: float
+    speedup: float
+    backend: str
+    versions: dict[str, str]
+    current_versions: dict[str, str]
+    stale: bool
+    exact: bool
+    tuned_m: int
+    updated_at: datetime
+
+
+class Record(BaseModel):
+    """A stored winner in the export / import form (`tuner export`)."""
+
+    key: Key
+    name: str = ""
+    config: Optional[dict] = None
+    config_name: str
+    scheduler: str
+    ms: float
+    baseline_ms: float
+    speedup: Optional[float] = None
+    best_by_scheduler: dict[str, float] = Field(default_factory=dict)
+    trials: int = 0
+    backend: str
+    versions: dict[str, str]
+    updated_at: Optional[datetime] = None
+
+
+class RecordIn(Record):
+    """A record to import: bounded to what the tables hold, its config one the
+    pool can build. `speedup` is recomputed from the times."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(max_length=128)] = ""
+    config_name: Annotated[str, Field(min_length=1, max_length=160)]
+    scheduler: Annotated[str, Field(min_length=1, max_length=32)]
+    ms: Millis
+    baseline_ms: Millis
+    best_by_scheduler: dict[Annotated[str, Field(max_length=32)], Millis] = Field(default_factory=dict, max_length=16)
+    trials: Annotated[int, Field(ge=0, le=MAX_SIZE)] = 0
+    backend: Backend
+    versions: Versions
+
+    @field_validator("config")
+    @classmethod
+    def _pool_config(cls, value: dict | None) -> dict | None:
+        if value is not None:
+            try:
+                GemmConfig.from_dict(value)
+            except (InvalidConfig, TypeError) as exc:
+                raise ValueError(f"not a valid pool config: {exc}") from None
+        return value
+
+
+class Results(BaseModel):
+    items: list[Record]
+    total: int
+    limit: int
+    offset: int
+
+
+class Imported(BaseModel):
+    received: int
+    imported: int
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
