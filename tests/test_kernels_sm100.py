@@ -8,6 +8,7 @@ scheduler promises (`bench.kernels_sm100.ptx_checks`).
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -38,6 +39,22 @@ def test_spread_covers_schedulers_depths_tail_cancel_and_clusters():
     assert {(1, 1, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1), (4, 4, 2)} <= clusters
     assert {v.layout for v in OFFLINE_VARIANTS} == {"tn", "nn"}
     assert any(c.split_k > 1 for c in cfgs) and any(v.dtype_out == "fp32" for v in OFFLINE_VARIANTS)
+
+
+@pytest.mark.slow
+def test_configs_the_space_draws_compile_and_pass_the_checks():
+    rng = random.Random(2024)
+    variants = [
+        kc.Variant(space.sample("sm100", rng), rng.choice(space.DTYPES_IN), rng.choice(space.DTYPES_OUT),
+                   rng.choice(space.LAYOUTS))
+        for _ in range(40)
+    ]
+    kernels = kc.compile_offline(variants, workers=os.cpu_count() or 1)
+    failed = {
+        v.key(): [name for name, holds in ptx_checks(v, k).items() if not holds]
+        for v, k in zip(variants, kernels, strict=True)
+    }
+    assert {key: names for key, names in failed.items() if names} == {}
 
 
 def test_checks_catch_a_wrong_scheduler(offline):
