@@ -29,7 +29,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from bench.kernels_sm90 import KEY_SETS, _searched, device_slug
+from bench.kernels_sm90 import KEY_SETS, _fmt, _searched, device_slug
 from kernels import compile as kc
 from kernels import space
 from kernels.sm100.clc import TAIL_CANCEL_BURST
@@ -136,26 +136,28 @@ def offline(workers: int, out_dir: Path) -> list[dict]:
             "try_cancel_sites": k.ptx.count("clusterlaunchcontrol.try_cancel"),
             "checks": checks, "ok": all(checks.values()),
         })
-    out = out_dir / f"offline-{ARCH}-variants.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {
+    _write_json(out_dir / f"offline-{ARCH}-variants.json", {
         "target": "sm_100a", "dsl_version": version("nvidia-cutlass-dsl"), "workers": workers,
         "wall_s": round(time.monotonic() - started, 1),
         "variants": len(records), "all_ok": all(r["ok"] for r in records), "records": records,
-    }
-    out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
-    print(_offline_table(records))
+    })
+    print(_table(
+        ["variant", "compile s", "regs", "smem KB", "threads", "try_cancel", "checks"],
+        [[r["variant"], r["compile_s"], r["registers"], round(r["smem_bytes"] / 1024, 1), r["threads"],
+          r["try_cancel_sites"],
+          "ok" if r["ok"] else "FAIL: " + ", ".join(n for n, ok in r["checks"].items() if not ok)]
+         for r in records],
+    ))
     return records
 
 
-def _offline_table(records: list[dict]) -> str:
-    head = ["variant", "compile s", "regs", "smem KB", "threads", "try_cancel", "checks"]
-    rows = [
-        [r["variant"], r["compile_s"], r["registers"], round(r["smem_bytes"] / 1024, 1), r["threads"],
-         r["try_cancel_sites"], "ok" if r["ok"] else "FAIL: " + ", ".join(n for n, ok in r["checks"].items() if not ok)]
-        for r in records
-    ]
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _table(head: list[str], rows: list[list]) -> str:
     return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in [head, ["---"] * len(head), *rows])
 
 
@@ -231,27 +233,15 @@ def tune(args: argparse.Namespace) -> dict:
                   "correctness": checked, "keys": records}
     finally:
         backend.close()
-    out = Path(args.out) / f"{device_slug(device)}-{ARCH}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
-    print(_tuning_table(records))
+    _write_json(Path(args.out) / f"{device_slug(device)}-{ARCH}.json", result)
+    print(_table(
+        ["key", "M", "N", "K", "cuBLAS ms", "best ms", "speedup", *SCHEDULERS, "best config"],
+        [[r["name"], r["M"], r["N"], r["K"], _fmt(r["cublas_ms"]), _fmt(r["best_ms"]),
+          "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+          *(_fmt(r["best_by_scheduler"].get(s)) for s in SCHEDULERS), r["best_config_name"] or "-"]
+         for r in records],
+    ))
     return result
-
-
-def _fmt(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms:.4f}"
-
-
-def _tuning_table(records: list[dict]) -> str:
-    head = ["key", "M", "N", "K", "cuBLAS ms", "best ms", "speedup", *SCHEDULERS, "best config"]
-    rows = [
-        [r["name"], r["M"], r["N"], r["K"], _fmt(r["cublas_ms"]), _fmt(r["best_ms"]),
-         "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-         *(_fmt(r["best_by_scheduler"].get(s)) for s in SCHEDULERS), r["best_config_name"] or "-"]
-        for r in records
-    ]
-    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in [head, ["---"] * len(head), *rows])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
