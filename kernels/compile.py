@@ -40,8 +40,9 @@ _TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
 _REFERENCE_SMS = {"sm90": 132, "sm100": 148}
 _EXPORT_NAME = "gemm"
 _CACHE_ENV = "KERNELS_CACHE_DIR"
-# ELF .nv.info attribute holding a kernel's registers per thread.
+# ELF .nv.info attributes: registers per thread, stack frame bytes (spills).
 _EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x11
 
 
 def register_kernel(arch: str, class_path: str) -> None:
@@ -143,7 +144,8 @@ class OfflineKernel:
     """What an offline compile reports about one variant."""
 
     ptx: str
-    registers: int | None  # per thread, from the cubin
+    registers: int  # per thread at launch, from the cubin
+    stack_bytes: int  # per-thread stack frame: above zero means register spills
     smem_bytes: int  # dynamic shared memory per CTA
     seconds: float
 
@@ -154,13 +156,17 @@ def _offline_job(v: Variant) -> OfflineKernel:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         compiled, kernel = _compile(v, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
-        ptx = compiled.artifacts.PTX
-        if "\n" not in ptx:  # some releases give the dumped file's path
+        ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+        # Some releases give the dumped files' paths instead of their contents.
+        if "\n" not in ptx:
             ptx = Path(ptx).read_text()
-        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, str):
+            cubin = Path(cubin).read_bytes()
+    attrs = _cubin_attrs(cubin)
     return OfflineKernel(
         ptx=ptx,
-        registers=_cubin_registers(cubin) if isinstance(cubin, bytes) else None,
+        registers=attrs[_EIATTR_REGCOUNT],
+        stack_bytes=attrs.get(_EIATTR_FRAME_SIZE, 0),
         smem_bytes=kernel.shared_storage.size_in_bytes(),
         seconds=time.perf_counter() - started,
     )
@@ -177,12 +183,13 @@ def compile_offline(variants: list[Variant], *, workers: int = 1) -> list[Offlin
     return results
 
 
-def _cubin_registers(cubin: bytes) -> int | None:
-    """Registers per thread of the (single) kernel in an sm_90/sm_100 cubin."""
+def _cubin_attrs(cubin: bytes) -> dict[int, int]:
+    """Per-function attributes of the .nv.info section of a cubin (attr -> value)."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     entsize, count, names_idx = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
     names_off = sections[names_idx][4]
+    attrs = {}
     for sec in sections:
         end = cubin.index(b"\0", names_off + sec[0])
         if cubin[names_off + sec[0]:end] != b".nv.info":
@@ -190,10 +197,10 @@ def _cubin_registers(cubin: bytes) -> int | None:
         pos, stop = sec[4], sec[4] + sec[5]
         while pos < stop:
             fmt, attr, size = struct.unpack_from("<BBH", cubin, pos)
-            if fmt == 4 and attr == _EIATTR_REGCOUNT:
-                return struct.unpack_from("<I", cubin, pos + 8)[0]
+            if fmt == 4 and size == 8:  # (function symbol, value)
+                attrs[attr] = struct.unpack_from("<I", cubin, pos + 8)[0]
             pos += 4 + (size if fmt == 4 else 0)
-    return None
+    return attrs
 
 
 # ---------------------------------------------------------------- disk cache
@@ -288,6 +295,7 @@ _max_clusters: dict[tuple[int, int], int] = {}
 
 
 def _clusters_per_wave(device_index: int, cluster_size: int) -> int:
+    """Clusters of `cluster_size` CTAs the device runs at once (one CTA per SM)."""
     key = (device_index, cluster_size)
     if key not in _max_clusters:
         import torch

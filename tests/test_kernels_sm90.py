@@ -61,7 +61,8 @@ def test_offline_ptx(offline, i):
     # Only a cluster's leader claims; others receive over DSMEM.
     assert ("st.async" in k.ptx) == (v.cfg.scheduler == DYN and v.cfg.cluster_size > 1)
     assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
-    assert k.registers is not None and 0 < k.registers <= 255
+    assert 0 < k.registers <= 255
+    assert k.stack_bytes == 0, "register spills"
     # The space's budget covers what the kernel allocates.
     assert k.smem_bytes <= v.cfg.smem_bytes()
 
@@ -78,6 +79,8 @@ GPU_CONFIGS = [
     GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, sched_depth=3, cluster_m=2, swizzle=4),
     GemmConfig(scheduler=DYN, tile_m=64, tile_n=160, sched_depth=2, cluster_n=2, raster="n"),
     GemmConfig(scheduler=DYN, tile_m=256, tile_n=64, stages=4, cluster_m=2, sched_depth=2),
+    GemmConfig(scheduler=DYN, tile_n=192, stages=3, cluster_m=2, cluster_n=2, sched_depth=2),
+    GemmConfig(scheduler=STATIC, tile_n=160, cluster_m=2, raster="n", swizzle=8),
 ]
 SPLIT_K_CONFIGS = [
     GemmConfig(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128),
@@ -129,11 +132,15 @@ def test_split_k_correct(cfg, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_out", ["fp32", "fp16"])
-def test_output_dtypes(dtype_out):
-    cfg = GemmConfig(scheduler=DYN, sched_depth=2)
+@pytest.mark.parametrize(
+    "cfg",
+    [GemmConfig(scheduler=DYN, sched_depth=2), GemmConfig(scheduler=STATIC, tile_m=256, tile_n=128, stages=3)],
+    ids=lambda c: c.name(),
+)
+def test_output_dtypes(cfg, dtype_out):
     runner = kc.get_kernel(cfg, dtype_in="fp16", dtype_out=dtype_out, layout="tn")
     a, b, ref = _operands(333, 264, 520, "tn", torch.float16)
-    out = torch.empty(333, 264, device="cuda", dtype=DTYPES[dtype_out])
+    out = torch.full((333, 264), float("nan"), device="cuda", dtype=DTYPES[dtype_out])
     runner(a, b, out)
     torch.cuda.synchronize()
     assert _rel_err(out, ref) < 2e-2
