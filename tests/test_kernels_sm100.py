@@ -7,8 +7,13 @@ scheduler promises (`bench.kernels_sm100.ptx_checks`).
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ import torch
 from bench.kernels_sm100 import AWKWARD, CORRECTNESS_CONFIGS, OFFLINE_VARIANTS, ptx_checks
 from kernels import compile as kc
 from kernels import space
+from kernels.sm100.clc import TAIL_CANCEL_BURST
 from kernels.space import GemmConfig, InvalidConfig
 
 
@@ -64,6 +70,46 @@ def test_checks_catch_a_wrong_scheduler(offline):
     as_clc = kc.Variant(GemmConfig(**{**v.cfg.to_dict(), "scheduler": "clc"}), v.dtype_in, v.dtype_out, v.layout)
     checks = ptx_checks(as_clc, offline[static])
     assert not checks["try_cancel exactly in clc"] and not checks["threads per CTA"]
+
+
+# A padded launch (CUDA-graph style): A and C are worst-case buffers, a device
+# int32 holds the real row count. Compiled in a fresh process, which must
+# pick the target before cutlass is imported.
+_PADDED = textwrap.dedent("""
+    import json, os, sys, tempfile
+    os.environ["CUTE_DSL_ARCH"] = "sm_100a"
+    import cutlass, cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from kernels.space import GemmConfig
+    from kernels.sm100.gemm import Sm100GemmKernel
+
+    cfg = GemmConfig(**json.loads(sys.argv[1]))
+    m, n, k = cute.sym_int(), cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+    bf16 = cutlass.BFloat16
+    args = [make_fake_compact_tensor(bf16, shape, stride_order=(1, 0), assumed_align=16)
+            for shape in ((m, k), (n, k), (m, n))]
+    args += [make_fake_compact_tensor(cutlass.Int32, (2,)), cutlass.Int32(1), make_fake_stream(),
+             make_fake_compact_tensor(cutlass.Int32, (1,))]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = cute.compile(Sm100GemmKernel(cfg), *args, options=f"--keep-ptx --dump-dir={tmp}").__ptx__
+        if "\\n" not in ptx:
+            ptx = open(ptx).read()
+    print(json.dumps({"try_cancel": ptx.count("clusterlaunchcontrol.try_cancel"),
+                      "mma": ptx.count("tcgen05.mma")}))
+""")
+
+
+@pytest.mark.parametrize("tail_cancel", [False, True])
+def test_padded_launch_compiles(tail_cancel):
+    cfg = GemmConfig(arch="sm100", scheduler="clc", sched_depth=2, tail_cancel=tail_cancel, tile_m=256,
+                     tile_n=128, cluster_m=2, cta_group=2, acc_stages=2)
+    done = subprocess.run(
+        [sys.executable, "-c", _PADDED, json.dumps(cfg.to_dict())],
+        capture_output=True, text=True, check=True, timeout=300, cwd=Path(__file__).parents[1],
+    )
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["mma"] > 0
+    assert got["try_cancel"] == 1 + (TAIL_CANCEL_BURST if tail_cancel else 0)
 
 
 def test_kernel_refuses_other_archs_and_layouts():
