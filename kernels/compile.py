@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import struct
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +36,6 @@ from kernels.space import GemmConfig, InvalidConfig, check_operands
 # free of cutlass. Another arch registers itself with `register_kernel`.
 _KERNEL_CLASSES = {"sm90": "kernels.sm90.gemm:Sm90GemmKernel", "sm100": "kernels.sm100.gemm:Sm100GemmKernel"}
 _TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
-# SMs of the reference GPU per arch (H100 SXM, B200): the max-clusters figure
-# an offline compile is given; a runner uses the real device's.
-_REFERENCE_SMS = {"sm90": 132, "sm100": 148}
 _EXPORT_NAME = "gemm"
 _CACHE_ENV = "KERNELS_CACHE_DIR"
 # ELF .nv.info attributes: registers per thread, stack frame bytes (spills).
@@ -144,15 +142,13 @@ class OfflineKernel:
     """What an offline compile reports about one variant."""
 
     ptx: str
-    registers: int  # per thread at launch, from the cubin
+    registers: int | None  # per thread at launch, from the cubin
     stack_bytes: int  # per-thread stack frame: above zero means register spills
     smem_bytes: int  # dynamic shared memory per CTA
     seconds: float
 
 
 def _offline_job(v: Variant) -> OfflineKernel:
-    import time
-
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         compiled, kernel = _compile(v, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
@@ -165,7 +161,7 @@ def _offline_job(v: Variant) -> OfflineKernel:
     attrs = _cubin_attrs(cubin)
     return OfflineKernel(
         ptx=ptx,
-        registers=attrs[_EIATTR_REGCOUNT],
+        registers=attrs.get(_EIATTR_REGCOUNT),
         stack_bytes=attrs.get(_EIATTR_FRAME_SIZE, 0),
         smem_bytes=kernel.shared_storage.size_in_bytes(),
         seconds=time.perf_counter() - started,

@@ -22,10 +22,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64, const_expr
+from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.space import EPI_BUFFERS, EPI_SUBTILE_N, TILE_K, GemmConfig, InvalidConfig
@@ -104,9 +105,9 @@ class Sm90GemmKernel:
 
     def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> None:
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
-        self.a_layout = utils.LayoutEnum.from_tensor(a)
-        self.b_layout = utils.LayoutEnum.from_tensor(b)
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.a_layout = LayoutEnum.from_tensor(a)
+        self.b_layout = LayoutEnum.from_tensor(b)
+        self.c_layout = LayoutEnum.from_tensor(c)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype,
             self.b_dtype,
@@ -123,7 +124,7 @@ class Sm90GemmKernel:
 
     def _smem_layouts(self):
         def staged(shape_mk, dtype, layout, stages):
-            k_major = layout.sm90_mma_major_mode() == cute.nvgpu.warpgroup.OperandMajorMode.K
+            k_major = layout.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                 sm90_utils.get_smem_layout_atom(layout, dtype, shape_mk[1 if k_major else 0]), dtype
             )
@@ -222,7 +223,7 @@ class Sm90GemmKernel:
         a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1) if self.a_mcast > 1 else 0
         b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0) if self.b_mcast > 1 else 0
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.b_dtype, cute.slice_(b_smem, (None, None, 0))
