@@ -131,7 +131,7 @@ def offline(workers: int, out_dir: Path) -> list[dict]:
         records.append({
             "variant": v.key(), "config": v.cfg.to_dict(), "dtype_in": v.dtype_in,
             "dtype_out": v.dtype_out, "layout": v.layout, "compile_s": round(k.seconds, 2),
-            "registers": k.registers, "smem_bytes": k.smem_bytes,
+            "registers": k.registers, "stack_bytes": k.stack_bytes, "smem_bytes": k.smem_bytes,
             "threads": int(threads.group(1)) if threads else None,
             "try_cancel_sites": k.ptx.count("clusterlaunchcontrol.try_cancel"),
             "checks": checks, "ok": all(checks.values()),
@@ -142,8 +142,9 @@ def offline(workers: int, out_dir: Path) -> list[dict]:
         "variants": len(records), "all_ok": all(r["ok"] for r in records), "records": records,
     })
     print(_table(
-        ["variant", "compile s", "regs", "smem KB", "threads", "try_cancel", "checks"],
-        [[r["variant"], r["compile_s"], r["registers"], round(r["smem_bytes"] / 1024, 1), r["threads"],
+        ["variant", "compile s", "regs", "stack B", "smem KB", "threads", "try_cancel", "checks"],
+        [[r["variant"], r["compile_s"], r["registers"], r["stack_bytes"], round(r["smem_bytes"] / 1024, 1),
+          r["threads"],
           r["try_cancel_sites"],
           "ok" if r["ok"] else "FAIL: " + ", ".join(n for n, ok in r["checks"].items() if not ok)]
          for r in records],

@@ -19,11 +19,11 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils.gemm.sm100 import epilogue_tma_store
 
 from kernels import space
@@ -105,9 +105,9 @@ class Sm100GemmKernel:
         self.c_dtype = c.element_type
         if cutlass.const_expr(self.a_dtype != self.b_dtype):
             raise TypeError(f"A and B must share a dtype: {self.a_dtype} != {self.b_dtype}")
-        self.a_major_mode = utils.LayoutEnum.from_tensor(a).mma_major_mode()
-        self.b_major_mode = utils.LayoutEnum.from_tensor(b).mma_major_mode()
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.a_major_mode = LayoutEnum.from_tensor(a).mma_major_mode()
+        self.b_major_mode = LayoutEnum.from_tensor(b).mma_major_mode()
+        self.c_layout = LayoutEnum.from_tensor(c)
 
         tiled_mma = sm100_utils.make_trivial_tiled_mma(
             self.a_dtype, self.a_major_mode, self.b_major_mode, self.acc_dtype,
