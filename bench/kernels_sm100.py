@@ -229,17 +229,17 @@ def tune(args: argparse.Namespace) -> dict:
                    "seconds": round(time.monotonic() - t0, 1)}
             records.append(rec)
             print(f"{name} M={p.m}: cuBLAS {rec['cublas_ms']} ms, best {rec['best_ms']} ms "
-                  f"({rec.get('best_config_name')})", file=sys.stderr)
+                  f"({rec['winner']})", file=sys.stderr)
         result = {"device": device, "versions": backend.versions(), "restarts": backend.restarts,
                   "correctness": checked, "keys": records}
     finally:
         backend.close()
     _write_json(Path(args.out) / f"{device_slug(device)}-{ARCH}.json", result)
     print(_table(
-        ["key", "M", "N", "K", "cuBLAS ms", "best ms", "speedup", *SCHEDULERS, "best config"],
+        ["key", "M", "N", "K", "cuBLAS ms", "pool ms", "cuBLAS/pool", *SCHEDULERS, "winner"],
         [[r["name"], r["M"], r["N"], r["K"], _fmt(r["cublas_ms"]), _fmt(r["best_ms"]),
           "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-          *(_fmt(r["best_by_scheduler"].get(s)) for s in SCHEDULERS), r["best_config_name"] or "-"]
+          *(_fmt(r["best_by_scheduler"].get(s)) for s in SCHEDULERS), r["winner"]]
          for r in records],
     ))
     return result

@@ -114,10 +114,7 @@ def tune_key(
             seeds += [c for c in model_picks(key) if c not in seeds]
         for cfg in seeds:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)
-        prepare = getattr(backend, "prepare", None)
-        if prepare is not None:
-            # Compiles in parallel ahead of the sequential trials.
-            prepare(seeds)
+        _prepare(backend, seeds)
 
     def objective(trial: optuna.Trial) -> float:
         try:
@@ -159,7 +156,7 @@ def tune_key(
     best = _best_by_scheduler(measured)
     store.set_winner(
         key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,
-        config=winner.config, ms=winner.ms, baseline_ms=baseline.ms, best_by_scheduler=best,
+        config=winner.config, ms=winner.ms, baseline_ms=measured[BASELINE].ms, best_by_scheduler=best,
         trials=done(),
     )
     return Outcome(key, store.winner(key_dict), skipped=False)
@@ -175,7 +172,9 @@ def _pick_winner(key, backend, measured, measure) -> TrialView:
     if not ranked:
         return measured[BASELINE]
     top = GemmConfig.from_dict(ranked[0].config)
-    for variant in _scheduler_variants(top):
+    variants = [v for v in _scheduler_variants(top) if v.name() not in measured]
+    _prepare(backend, variants)
+    for variant in variants:
         measure(variant)
 
     ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
@@ -184,9 +183,21 @@ def _pick_winner(key, backend, measured, measure) -> TrialView:
     scored = [
         (m.ms, cfg) for m, cfg in zip(again, finalists, strict=True) if m.ok and m.ms is not None
     ]
+    # The interleaved times replace the first ones: the winner, the baseline
+    # and the per-scheduler bests then all come from the same run.
+    for ms, cfg in scored:
+        name = cfg.name() if cfg else BASELINE
+        measured[name] = replace(measured[name], ms=ms)
     ms, cfg = min(scored, key=lambda pair: pair[0])
-    row = measured[cfg.name() if cfg else BASELINE]
-    return replace(row, ms=ms)
+    return measured[cfg.name() if cfg else BASELINE]
+
+
+def _prepare(backend: Backend, cfgs: list[GemmConfig]) -> None:
+    """Let a backend that compiles do so for `cfgs` in parallel, ahead of the
+    one-by-one measurements."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None and cfgs:
+        prepare(cfgs)
 
 
 def _scheduler_variants(cfg: GemmConfig) -> list[GemmConfig]:
