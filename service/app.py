@@ -23,6 +23,7 @@ changes (`service.cache`); imports open a writer store on first use.
 from __future__ import annotations
 
 import hmac
+import math
 import os
 import threading
 from contextlib import asynccontextmanager
@@ -30,6 +31,8 @@ from importlib import metadata
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
@@ -77,6 +80,7 @@ def create_app(db_url: str | None = None, *, token: str | None = None) -> FastAP
     app.include_router(_router)
     app.add_middleware(_KnownAnswers, cache=app.state.cache)
     app.add_exception_handler(SQLAlchemyError, _database_error)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
     return app
 
 
@@ -239,6 +243,22 @@ def _newest_versions(store: Store, device: str, backend: str) -> dict[str, str]:
     )
     with store.session() as s:
         return s.scalar(stmt)
+
+
+async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422, with the inputs JSON cannot carry (NaN, infinities: JSON
+    parsers accept them, JSON responses may not hold them) written as text."""
+    return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 async def _database_error(_request: Request, exc: SQLAlchemyError) -> JSONResponse:

@@ -1,5 +1,9 @@
-"""Request and response models of the HTTP service: every bound a request can
-break is stated here, so that it is answered with a 422 naming the field."""
+"""Request and response models of the HTTP service.
+
+Every bound a request can break is stated on the request models, so that it
+is answered with a 422 naming the field. Response models check nothing: what
+the database holds is served as it is, never refused with a 500.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ Layout = Literal[LAYOUTS]
 Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
 Groups = Annotated[int, Field(ge=1, le=MAX_GROUPS)]
 Carveout = Annotated[int, Field(ge=0, le=MAX_CARVEOUT)]
-Millis = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+# 1 ns to about 3 hours: a speedup (a ratio of two) stays a finite number.
+Millis = Annotated[float, Field(ge=1e-6, le=1e7)]
 # Column widths of the tables (db.models): longer text could not be stored.
 Device = Annotated[str, Field(min_length=1, max_length=128)]
 Backend = Annotated[str, Field(min_length=1, max_length=16)]
@@ -39,6 +44,22 @@ Versions = Annotated[
 
 class Key(BaseModel):
     """A tuning key: (arch, device, dtypes, layout, M, N, K, groups)."""
+
+    arch: str
+    device: str
+    dtype_in: str
+    dtype_out: str
+    layout: str
+    m: int
+    n: int
+    k: int
+    groups: int = 1
+    group_k: list[int] = Field(default_factory=list)
+    carveout: int = 0
+
+
+class KeyIn(Key):
+    """A key to store: one the pool's rules and the tables can hold."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -55,7 +76,7 @@ class Key(BaseModel):
     carveout: Carveout = 0
 
     @model_validator(mode="after")
-    def _group_k_fits(self) -> "Key":
+    def _group_k_fits(self) -> "KeyIn":
         if self.group_k and len(self.group_k) != self.groups:
             raise ValueError(f"group_k holds {len(self.group_k)} values for {self.groups} groups")
         if len(",".join(map(str, self.group_k))) > GROUP_K_CHARS:
@@ -147,6 +168,7 @@ class RecordIn(Record):
 
     model_config = ConfigDict(extra="forbid")
 
+    key: KeyIn
     name: Annotated[str, Field(max_length=128)] = ""
     config_name: Annotated[str, Field(min_length=1, max_length=160)]
     scheduler: Annotated[str, Field(min_length=1, max_length=32)]

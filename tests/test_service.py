@@ -1,0 +1,238 @@
+"""The HTTP service, end to end: a real `tuner serve` process over a SQLite
+database filled by a real `tuner tune` run (model backend)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from db.store import Store
+
+TOKEN = "test-token"
+MODEL_DEVICE = "H100-model"
+# Gemma 3 4B attention output projection (N = hidden 2560, K = 8 heads x 256)
+# at two token counts, and its QKV projection at one.
+SHAPES = "128,2048 2560 2048 name=gemma3-4b.o\n16 4096 2560 name=gemma3-4b.qkv\n"
+# Keys a concurrent tune adds while readers read: Gemma 3 4B MLP down projection.
+MORE_SHAPES = "1,16,64,128,256,512,1024,2048 2560 10240 name=gemma3-4b.down\n"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tune(shapes: Path, db: Path, trials: int = 6) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tuner.cli", "tune", "--backend", "model", "--trials", str(trials),
+           "--shapes", str(shapes), "--db", str(db)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, db: Path, token: str | None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k != "TUNER_TOKEN"}
+        if token:
+            env["TUNER_TOKEN"] = token
+        cmd = [sys.executable, "-m", "tuner.cli", "serve", "--port", str(self.port), "--db", str(db)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        self.stop()
+        raise AssertionError("server did not come up")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tuned_db(tmp_path_factory):
+    d = tmp_path_factory.mktemp("svc")
+    (d / "shapes.txt").write_text(SHAPES)
+    proc = _tune(d / "shapes.txt", d / "t.db")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return d / "t.db"
+
+
+@pytest.fixture(scope="module")
+def server(tuned_db):
+    s = _Server(tuned_db, TOKEN)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def _best(client, **params):
+    return client.get("/v1/best", params={"n": 2560, "k": 2048, **params})
+
+
+def test_tuned_key_answers_with_its_stored_winner(client, tuned_db):
+    r = _best(client, m=2048)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    stored = Store(str(tuned_db), writer=False).winner({
+        "arch": "sm90", "device": MODEL_DEVICE, "dtype_in": "bf16", "dtype_out": "bf16", "layout": "tn",
+        "m": 2048, "n": 2560, "k": 2048, "groups": 1, "group_k": [], "carveout": 0,
+    })
+    assert body["key"]["device"] == MODEL_DEVICE
+    assert (body["exact"], body["tuned_m"], body["stale"]) == (True, 2048, False)
+    assert body["config_name"] == stored.config_name
+    assert body["config"] == stored.config
+    assert body["ms"] == pytest.approx(stored.ms)
+    assert body["speedup"] == pytest.approx(stored.baseline_ms / stored.ms)
+    assert body["versions"] == body["current_versions"] == stored.versions
+    assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_nearest_tuned_m_answers(client):
+    # Tuned at 128 and 2048: 1000 is nearer 2048 in ratio, 200 nearer 128.
+    far = _best(client, m=1000, device=MODEL_DEVICE).json()
+    assert (far["exact"], far["tuned_m"], far["key"]["m"]) == (False, 2048, 1000)
+    near = _best(client, m=200).json()
+    assert (near["exact"], near["tuned_m"]) == (False, 128)
+
+
+def test_staleness_against_the_callers_versions(client):
+    fresh = _best(client, m=128).json()
+    assert not fresh["stale"]
+    other = json.dumps({**fresh["versions"], "model": "0-other"})
+    assert _best(client, m=128, current_versions=other).json()["stale"]
+
+
+def test_unknown_key_is_404_with_a_message(client):
+    r = _best(client, m=128, n=2568)
+    assert r.status_code == 404
+    assert "no winner" in r.json()["detail"] and "N=2568" in r.json()["detail"]
+    assert _best(client, m=128, device="H200-nowhere").status_code == 404
+
+
+@pytest.mark.parametrize("path, params, field", [
+    ("/v1/best", {"m": -1}, "m"),
+    ("/v1/best", {"m": 0}, "m"),
+    ("/v1/best", {"m": 2**31 + 1}, "m"),
+    ("/v1/best", {"m": "many"}, "m"),
+    ("/v1/best", {"m": 128, "n": None}, "n"),
+    ("/v1/best", {"m": 128, "dtype": "int8"}, "dtype"),
+    ("/v1/best", {"m": 128, "dtype_out": "fp64"}, "dtype_out"),
+    ("/v1/best", {"m": 128, "arch": "sm70"}, "arch"),
+    ("/v1/best", {"m": 128, "layout": "tt"}, "layout"),
+    ("/v1/best", {"m": 128, "groups": 0}, "groups"),
+    ("/v1/best", {"m": 128, "current_versions": "torch 2.13"}, "current_versions"),
+    ("/v1/results", {"limit": 100_000}, "limit"),
+    ("/v1/results", {"limit": 0}, "limit"),
+    ("/v1/results", {"offset": -5}, "offset"),
+    ("/v1/results", {"k": 2**40}, "k"),
+])
+def test_bad_input_is_422_naming_the_field(client, path, params, field):
+    query = {"n": 2560, "k": 2048, **params} if path == "/v1/best" else params
+    r = client.get(path, params={k: v for k, v in query.items() if v is not None})
+    assert r.status_code == 422, r.text
+    assert field in [e["loc"][-1] for e in r.json()["detail"]]
+
+
+def test_results_filter_and_page(client):
+    o_proj = {"device": MODEL_DEVICE, "n": 2560, "k": 2048}
+    both = client.get("/v1/results", params=o_proj).json()
+    assert both["total"] == 2 and [w["key"]["m"] for w in both["items"]] == [128, 2048]
+    page = client.get("/v1/results", params={**o_proj, "limit": 1, "offset": 1}).json()
+    assert page["total"] == 2 and page["items"] == both["items"][1:]
+    qkv = client.get("/v1/results", params={"n": 4096, "backend": "model"}).json()
+    assert qkv["total"] == 1 and qkv["items"][0]["key"]["m"] == 16
+    assert client.get("/v1/results", params={"n": 4096, "backend": "gpu"}).json()["total"] == 0
+
+
+def test_writes_need_the_token(client):
+    record = client.get("/v1/results", params={"limit": 1}).json()["items"][0]
+    assert client.post("/v1/results", json=[record]).status_code == 401
+    wrong = client.post("/v1/results", json=[record], headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert wrong.headers["www-authenticate"] == "Bearer"
+
+
+def test_authorized_import_is_served(client):
+    record = _best(client, m=2048).json()
+    imported = {k: v for k, v in record.items() if k not in ("current_versions", "stale", "exact", "tuned_m")}
+    imported["key"] = {**record["key"], "device": "NVIDIA H100 80GB HBM3", "m": 4096}
+    imported["backend"] = "gpu"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = client.post("/v1/results", json=[imported], headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"received": 1, "imported": 1}
+    served = _best(client, m=4096).json()
+    assert served["key"]["device"] == "NVIDIA H100 80GB HBM3" and served["exact"]
+    # The measured device now wins at its own M; the modeled one still serves 2048.
+    assert _best(client, m=2048).json()["key"]["device"] == MODEL_DEVICE
+    bad = {**imported, "ms": -1.0, "config": {"tile_m": 7}}
+    r = client.post("/v1/results", json=[bad], headers=auth)
+    assert r.status_code == 422
+    assert {e["loc"][-1] for e in r.json()["detail"]} >= {"ms", "config"}
+
+
+def test_imports_refused_without_a_configured_token(tuned_db, tmp_path):
+    db = tmp_path / "copy.db"
+    shutil.copy(tuned_db, db)
+    s = _Server(db, token=None)
+    try:
+        r = httpx.post(s.url + "/v1/results", json=[], headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 403 and "TUNER_TOKEN" in r.json()["detail"]
+    finally:
+        s.stop()
+
+
+def test_readers_get_answers_while_a_tune_writes(client, tuned_db, tmp_path):
+    shapes = tmp_path / "more.txt"
+    shapes.write_text(MORE_SHAPES)
+    tune = _tune(shapes, tuned_db, trials=8)
+    statuses = []
+    try:
+        while tune.poll() is None:
+            statuses.append(_best(client, m=2048).status_code)
+            statuses.append(client.get("/v1/results", params={"limit": 50}).status_code)
+    finally:
+        out, _ = tune.communicate(timeout=300)
+    assert tune.returncode == 0, out
+    assert len(statuses) > 20 and set(statuses) == {200}
+    # Winners stored by another process are served at once (the cache drops on a commit).
+    down = client.get("/v1/best", params={"m": 1024, "n": 2560, "k": 10240})
+    assert down.status_code == 200 and down.json()["exact"]
+
+
+def test_no_server_error_under_schema_fuzzing(tuned_db, tmp_path):
+    # Its own server: authorized fuzzing imports whatever it generates.
+    db = tmp_path / "fuzz.db"
+    shutil.copy(tuned_db, db)
+    server = _Server(db, TOKEN)
+    cmd = [
+        sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
+        "--checks", "not_a_server_error", "--max-examples", "25", "--max-time", "30", "--seed", "7",
+        "--phases", "coverage,fuzzing", "--generation-database", "none", "--no-color",
+        "--header", f"Authorization: Bearer {TOKEN}", "--request-timeout", "20",
+    ]
+    try:
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
