@@ -225,25 +225,7 @@ class Sm90GemmKernel:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
-            self.b_dtype, cute.slice_(b_smem, (None, None, 0))
-        )
-        # Every consumer warp releases a stage once per CTA that filled it.
-        releases = (self.a_mcast + self.b_mcast - 1) * self.mma_groups * _WARPS_PER_GROUP
-        load_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.load_bars.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releases),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
-            defer_sync=True,
-        )
-        ring = None
-        if const_expr(self.sched.dynamic):
-            ring = ClaimRing.create(
-                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(), self.ring_consumer_warps
-            )
+        load_pipe, ring = self._pipelines(storage, a_smem, b_smem, cluster_layout)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -313,78 +295,126 @@ class Sm90GemmKernel:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], cutlass.Float32)
-        k_blocks = cute.size(tCrA, mode=[2])
 
-        # registers -> smem copy of one epilogue sub-tile
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-        thr_r2s = r2s.get_slice(mma_tidx)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_acc = r2s.retile(acc)
-        sub_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-        sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
-        sub_out = cute.make_rmem_tensor(sub_shape, self.c_dtype)
-        # tRS_acc is ((values of one 64-row block, column chunks), row blocks);
-        # a sub-tile takes `sub_chunks` chunks of every row block.
-        chunk_vals = cute.size(sub_acc, mode=[0])
-        row_blocks = cute.size(sub_acc, mode=[1])
-        sub_chunks = cute.size(sub_acc, mode=[2])
-        block_vals = cute.size(tRS_acc, mode=[0])
-        epi_bar = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID, num_threads=self.mma_threads)
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
-        )
+        epi = self._epilogue(tiled_mma, sC, acc, mma_tidx, warp_idx)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        store_warp = warp_idx == _WARPS_PER_GROUP
         subtiles_done = Int32(0)
 
         work = sched.initial_work()
         while work.is_valid:
             m, n, l = work.tile
-            acc.fill(0.0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.fence()
-            # Keep one k-tile of WGMMA in flight: release a stage only once
-            # the WGMMAs after it were issued.
-            for kt in range(k_tiles):
-                load_pipe.consumer_wait(read)
-                for kb in cutlass.range_constexpr(k_blocks):
-                    coord = (None, None, kb, read.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                read.advance()
-                if kt > 0:
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    load_pipe.consumer_release(release)
-                    release.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
+            read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
+            subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
+            work = sched.advance()
+        epi.store_pipe.producer_tail()
+
+    # ------------------------------------------------------------------ pieces shared with the grouped kernels
+
+    def _pipelines(self, storage, a_smem, b_smem, cluster_layout):
+        """(TMA load pipeline, claim ring or None); barrier init is deferred to the cluster sync."""
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.b_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
+        # Every consumer warp releases a stage once per CTA that filled it.
+        releases = (self.a_mcast + self.b_mcast - 1) * self.mma_groups * _WARPS_PER_GROUP
+        load_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.load_bars.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releases),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            defer_sync=True,
+        )
+        ring = None
+        if const_expr(self.sched.dynamic):
+            ring = ClaimRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(), self.ring_consumer_warps
+            )
+        return load_pipe, ring
+
+    @cute.jit
+    def _mma_tile(self, tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release):
+        """acc = the tile's product over `k_tiles` k-blocks of the ring; returns the advanced states."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.fence()
+        # Keep one k-tile of WGMMA in flight: release a stage only once
+        # the WGMMAs after it were issued.
+        for kt in range(k_tiles):
+            load_pipe.consumer_wait(read)
+            for kb in cutlass.range_constexpr(k_blocks):
+                coord = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            if kt > 0:
+                cute.nvgpu.warpgroup.wait_group(1)
+                load_pipe.consumer_release(release)
+                release.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        if k_tiles > 0:
             load_pipe.consumer_release(release)
             release.advance()
+        return read, release
 
-            gC_tile = cute.zipped_divide(gC[(None, None, m, n, l)], self.epi_tile)
-            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_tile
-            )
-            subtiles = cute.size(gC_tile, mode=[1])
-            for sub in cutlass.range_constexpr(subtiles):
-                for i in cutlass.range_constexpr(cute.size(sub_acc)):
-                    v, rest = i % chunk_vals, i // chunk_vals
-                    block, chunk = rest % row_blocks, sub * sub_chunks + rest // row_blocks
-                    sub_acc[i] = tRS_acc[v + chunk_vals * chunk + block_vals * block]
-                sub_out.store(sub_acc.load().to(self.c_dtype))
-                buf = (subtiles_done + sub) % self.epi_stages
-                cute.copy(r2s, sub_out, tRS_sC[(None, None, None, buf)])
-                # Generic-proxy smem writes must be visible to the TMA store.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_bar.arrive_and_wait()
-                if store_warp:
-                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (0, sub))])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                epi_bar.arrive_and_wait()
-            subtiles_done += subtiles
-            work = sched.advance()
-        store_pipe.producer_tail()
+    def _epilogue(self, tiled_mma, sC, acc, mma_tidx, warp_idx) -> "_Epilogue":
+        """The registers -> smem -> TMA-store machinery of one consumer thread."""
+        e = _Epilogue()
+        # registers -> smem copy of one epilogue sub-tile
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        e.r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_r2s = e.r2s.get_slice(mma_tidx)
+        e.sC = sC
+        e.tRS_sC = thr_r2s.partition_D(sC)
+        e.tRS_acc = e.r2s.retile(acc)
+        sub_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        e.sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
+        e.sub_out = cute.make_rmem_tensor(sub_shape, self.c_dtype)
+        # tRS_acc is ((values of one 64-row block, column chunks), row blocks);
+        # a sub-tile takes `sub_chunks` chunks of every row block.
+        e.chunk_vals = cute.size(e.sub_acc, mode=[0])
+        e.row_blocks = cute.size(e.sub_acc, mode=[1])
+        e.sub_chunks = cute.size(e.sub_acc, mode=[2])
+        e.block_vals = cute.size(e.tRS_acc, mode=[0])
+        e.bar = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID, num_threads=self.mma_threads)
+        e.store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+        )
+        e.store_warp = warp_idx == _WARPS_PER_GROUP
+        return e
+
+    @cute.jit
+    def _store_tile(self, e: "_Epilogue", acc, tma_c, gC_tile, subtiles_done):
+        """Store the (tile_m, tile_n) tile `gC_tile` by TMA; returns the sub-tiles stored so far."""
+        tiles = cute.zipped_divide(gC_tile, self.epi_tile)
+        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(e.sC, 0, 2), tiles
+        )
+        subtiles = cute.size(tiles, mode=[1])
+        store_pipe, store_warp = e.store_pipe, e.store_warp
+        for sub in cutlass.range_constexpr(subtiles):
+            for i in cutlass.range_constexpr(cute.size(e.sub_acc)):
+                v, rest = i % e.chunk_vals, i // e.chunk_vals
+                block, chunk = rest % e.row_blocks, sub * e.sub_chunks + rest // e.row_blocks
+                e.sub_acc[i] = e.tRS_acc[v + e.chunk_vals * chunk + e.block_vals * block]
+            e.sub_out.store(e.sub_acc.load().to(self.c_dtype))
+            buf = (subtiles_done + sub) % self.epi_stages
+            cute.copy(e.r2s, e.sub_out, e.tRS_sC[(None, None, None, buf)])
+            # Generic-proxy smem writes must be visible to the TMA store.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            e.bar.arrive_and_wait()
+            if store_warp:
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (0, sub))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            e.bar.arrive_and_wait()
+        return subtiles_done + subtiles
+
+
+class _Epilogue:
+    """Per-thread epilogue state built once by `Sm90GemmKernel._epilogue`."""
