@@ -171,7 +171,7 @@ def _decision(a, b, b_stored, out, offs, layout, build: bool = True) -> _Decisio
     with _state.lock:
         decision = _state.decisions.get(cache_key) or _Decision(*_choose_on_device(*cache_key))
         if build and decision.config is not None and decision.runner is None:
-            decision = _build(decision, din, dout, layout)
+            decision = _build(decision, a.device.index, din, dout, layout)
         _state.decisions[cache_key] = decision
     return decision
 
@@ -249,12 +249,14 @@ def _choose(key) -> tuple[Explanation, object]:
     return Explanation(KERNEL, f"tuned winner ({how})", fallback=False, **seen), cfg
 
 
-def _build(decision: _Decision, din: str, dout: str, layout: str) -> _Decision:
+def _build(decision: _Decision, device_index: int, din: str, dout: str, layout: str) -> _Decision:
     """`decision` with its runner, or a torch decision saying why the kernel did not build."""
     try:
         from kernels.compile import get_kernel
 
-        runner = get_kernel(decision.config, dtype_in=din, dtype_out=dout, layout=layout)
+        # get_kernel builds for the current device: make it the tensors' one.
+        with torch.cuda.device(device_index):
+            runner = get_kernel(decision.config, dtype_in=din, dtype_out=dout, layout=layout)
     except Exception as exc:  # a kernel that fails to build must not break the caller: torch runs
         why = f"winner {decision.explanation.config_name} failed to build: {type(exc).__name__}: {exc}"
         return _Decision(replace(decision.explanation, path=TORCH, reason=why, fallback=True))
