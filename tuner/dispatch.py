@@ -126,8 +126,7 @@ def explain(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *
             offs: torch.Tensor | None = None) -> Explanation:
     """What `gemm(a, b, out, offs=offs)` runs, without running (or building) it."""
     _check_shapes(a, b, out, offs)
-    layout, b_stored = _layout(b)
-    return _decision(a, b, b_stored, out, offs, layout, build=False).explanation
+    return _decision(a, b, out, offs, _layout(b), build=False).explanation
 
 
 def explain_key(key) -> Explanation:
@@ -141,23 +140,24 @@ def explain_key(key) -> Explanation:
 
 def _run(a, b, out, offs):
     _check_shapes(a, b, out, offs)
-    layout, b_stored = _layout(b)
-    decision = _decision(a, b, b_stored, out, offs, layout)
+    layout = _layout(b)
+    decision = _decision(a, b, out, offs, layout)
     if decision.runner is None:
         if decision.explanation.fallback:
             _warn_once(decision.explanation.reason, _label(a, b, out, offs, layout))
         return _torch_gemm(a, b, out, offs)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[-1]), dtype=a.dtype, device=a.device)
-    decision.runner(a, b_stored, out)
+    # The runner takes B as stored: (N, K) for "tn".
+    decision.runner(a, b.mT if layout == "tn" else b, out)
     return out
 
 
-def _decision(a, b, b_stored, out, offs, layout, build: bool = True) -> _Decision:
+def _decision(a, b, out, offs, layout, build: bool = True) -> _Decision:
     """The cached decision for this call's key; `build` compiles a kernel winner's runner."""
     dtype_out = a.dtype if out is None else out.dtype
     din, dout = _DTYPE_NAMES.get(a.dtype), _DTYPE_NAMES.get(dtype_out)
-    reason = _tensor_reason(a, b, b_stored, out, layout, din, dout)
+    reason = _tensor_reason(a, b, out, layout, din, dout)
     if reason is not None:
         return _Decision(Explanation(TORCH, reason))
     groups = 1 if offs is None else b.shape[0]
@@ -176,17 +176,22 @@ def _decision(a, b, b_stored, out, offs, layout, build: bool = True) -> _Decisio
     return decision
 
 
-def _layout(b: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
-    """("tn", the (.., N, K) storage) or ("nn", b) or (None, None) for other strides."""
-    if b.stride()[-2:] == (1, b.shape[-2]) and b.mT.is_contiguous():
-        return "tn", b.mT
+def _layout(b: torch.Tensor) -> str | None:
+    """"tn" for b a transposed view of contiguous (.., N, K) storage, "nn" for a
+    contiguous (.., K, N) b, None for other strides."""
+    k, n = b.shape[-2:]
+    strides = b.stride()
+    if strides[-2:] == (1, k) and (b.dim() == 2 or strides[0] == n * k):
+        return "tn"
     if b.is_contiguous():
-        return "nn", b
-    return None, None
+        return "nn"
+    return None
 
 
-def _tensor_reason(a, b, b_stored, out, layout, din, dout) -> str | None:
+def _tensor_reason(a, b, out, layout, din, dout) -> str | None:
     """Why these tensors cannot go to a pool kernel, or None."""
+    if b.device != a.device or out is not None and out.device != a.device:
+        return "operands on different devices"  # torch then raises its own error
     if not a.is_cuda:
         return f"tensors on {a.device.type}: the pool runs on CUDA devices"
     if din not in DTYPES_IN or b.dtype != a.dtype:
@@ -197,7 +202,7 @@ def _tensor_reason(a, b, b_stored, out, layout, din, dout) -> str | None:
         return f"b has strides {tuple(b.stride())}: neither a (K, N) nor a transposed (N, K) contiguous matrix"
     if not a.is_contiguous() or out is not None and not out.is_contiguous():
         return "a or out is not contiguous"
-    for name, t in (("a", a), ("b", b_stored), ("out", out)):
+    for name, t in (("a", a), ("b", b), ("out", out)):
         if t is not None and t.data_ptr() % _ALIGN:
             return f"{name} is not {_ALIGN}-byte aligned (TMA needs {_ALIGN}-byte aligned operands)"
     return None
