@@ -36,6 +36,8 @@ from kernels.space import GemmConfig, InvalidConfig, check_operands
 # free of cutlass. Another arch registers itself with `register_kernel`.
 _KERNEL_CLASSES = {"sm90": "kernels.sm90.gemm:Sm90GemmKernel", "sm100": "kernels.sm100.gemm:Sm100GemmKernel"}
 _TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
+# Grouped kernel class per arch (`kernels.grouped` forms: "rows", "k").
+_GROUPED_CLASSES = {"sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel"}
 _EXPORT_NAME = "gemm"
 _CACHE_ENV = "KERNELS_CACHE_DIR"
 # ELF .nv.info attributes: registers per thread, stack frame bytes (spills).
@@ -48,21 +50,27 @@ def register_kernel(arch: str, class_path: str) -> None:
     _KERNEL_CLASSES[arch] = class_path
 
 
-def _kernel_class(arch: str):
-    if arch not in _KERNEL_CLASSES:
-        raise InvalidConfig(f"no kernel class registered for {arch}")
-    module, name = _KERNEL_CLASSES[arch].split(":")
+def _kernel_class(arch: str, grouped: str = ""):
+    classes = _GROUPED_CLASSES if grouped else _KERNEL_CLASSES
+    if arch not in classes:
+        raise InvalidConfig(f"no {'grouped ' if grouped else ''}kernel class registered for {arch}")
+    module, name = classes[arch].split(":")
     return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """What one compile is specialised for: a config, dtypes and B's layout."""
+    """What one compile is specialised for: a config, dtypes, B's layout and grouped form.
+
+    `grouped` is "" for a plain GEMM, else a `kernels.grouped` form ("rows":
+    MoE offsets over A's rows, "k": problems packed along K).
+    """
 
     cfg: GemmConfig
     dtype_in: str = "bf16"
     dtype_out: str = "bf16"
     layout: str = "tn"
+    grouped: str = ""
 
     def __post_init__(self) -> None:
         # Sizes 8 satisfy every alignment rule; this checks dtypes and layout.
@@ -74,7 +82,8 @@ class Variant:
         return self.cfg.split_k > 1
 
     def key(self) -> str:
-        return f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"
+        key = f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"
+        return f"{key}-grouped_{self.grouped}" if self.grouped else key
 
 
 # ---------------------------------------------------------------- compiling
@@ -104,17 +113,39 @@ def _fake_args(v: Variant):
         return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
 
     a = row_major(dtypes[v.dtype_in], (m, k))
+    if v.grouped:
+        return (a, *_fake_grouped(v, row_major, dtypes, m, n, k))
     b = row_major(dtypes[v.dtype_in], (n, k) if v.layout == "tn" else (k, n))
     out = row_major(cutlass.Float32, (s, m, n)) if v.workspace else row_major(dtypes[v.dtype_out], (m, n))
     sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
     return a, b, out, sched_buf, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def _fake_grouped(v: Variant, row_major, dtypes, m, n, k):
+    """The grouped kernels' arguments after A: b, out, offs, sched_buf, max_clusters, stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    g = cute.sym_int()
+    din, dout = dtypes[v.dtype_in], dtypes[v.dtype_out]
+    if v.grouped == "rows":
+        b = row_major(din, (g, n, k) if v.layout == "tn" else (g, k, n))
+        out = row_major(dout, (m, n))
+    else:
+        b = row_major(din, (n, k) if v.layout == "tn" else (k, n))
+        out = row_major(dout, (g, m, n))
+    offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+    sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
+    return b, out, offs, sched_buf, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
 def _compile(v: Variant, options: str = ""):
     """(compiled function, kernel object) for the arch this process targets."""
     import cutlass.cute as cute
 
-    kernel = _kernel_class(v.cfg.arch)(v.cfg, v.layout)
+    cls = _kernel_class(v.cfg.arch, v.grouped)
+    kernel = cls(v.cfg, v.layout, v.grouped) if v.grouped else cls(v.cfg, v.layout)
     compiled = cute.compile(kernel, *_fake_args(v), options=f"--enable-tvm-ffi {options}".strip())
     return compiled, kernel
 
@@ -261,6 +292,7 @@ def compile_many(
     dtype_in: str = "bf16",
     dtype_out: str = "bf16",
     layouts: tuple[str, ...] = ("tn",),
+    grouped: str = "",
 ) -> int:
     """Compile every (config, layout) missing from the disk cache, `workers` at a time.
 
@@ -268,7 +300,7 @@ def compile_many(
     """
     todo = [
         v for c in cfgs for layout in layouts
-        if not _cache_path(v := Variant(c, dtype_in, dtype_out, layout)).exists()
+        if not _cache_path(v := Variant(c, dtype_in, dtype_out, layout, grouped)).exists()
     ]
     for arch in sorted({v.cfg.arch for v in todo}):
         batch = [v for v in todo if v.cfg.arch == arch]
@@ -339,13 +371,39 @@ class _Runner:
         torch.sum(ws, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(ws.sum(dim=0))
 
 
-def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str) -> _Runner:
-    """A runner of `cfg` for the current CUDA device (compiled or loaded once)."""
+class _GroupedRunner:
+    """``runner(a, b, offs, out)``: the grouped product of `kernels.grouped`'s form, current stream.
+
+    "rows": a (total_M, K), b (G, N, K) or (G, K, N), out (total_M, N).
+    "k": a (M, sum K), b (N, sum K) or (sum K, N), out (G, M, N); every
+    group's K a multiple of 64. `offs` (int32, G) stays on the device.
+    """
+
+    def __init__(self, fn, v: Variant, device_index: int):
+        from kernels.grouped import MAX_GROUPS
+
+        self._fn = fn
+        self._device = device_index
+        self._max_clusters = _clusters_per_wave(device_index, v.cfg.cluster_size)
+        self._max_groups = MAX_GROUPS
+        self.variant = v
+
+    def __call__(self, a, b, offs, out) -> None:
+        if not 0 < offs.shape[0] <= self._max_groups:
+            raise InvalidConfig(f"{offs.shape[0]} groups; the grouped kernels take 1 to {self._max_groups}")
+        self._fn(a, b, out, offs, _sched_buf(self._device), self._max_clusters)
+
+
+def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, grouped: str = ""):
+    """A runner of `cfg` for the current CUDA device (compiled or loaded once).
+
+    `grouped` "" gives a `_Runner`, a `kernels.grouped` form a `_GroupedRunner`.
+    """
     import torch
 
     device_index = torch.cuda.current_device()
     arch = _device_arch(device_index)
     if cfg.arch != arch:
         raise InvalidConfig(f"{cfg.arch} config on a {arch} device")
-    v = Variant(cfg, dtype_in, dtype_out, layout)
-    return _Runner(_function(v, arch), v, device_index)
+    v = Variant(cfg, dtype_in, dtype_out, layout, grouped)
+    return (_GroupedRunner if grouped else _Runner)(_function(v, arch), v, device_index)

@@ -1,0 +1,296 @@
+"""Grouped GEMM for Hopper (sm_90a): G problems in one persistent launch.
+
+Built on `Sm90GemmKernel` (same warp roles, pipelines, WGMMA mainloop and
+TMA-store epilogue); what changes is which operand coordinates a tile reads
+and writes, decoded per tile from `kernels.grouped`'s on-device group table.
+Two forms, both driven by ``offs`` (int32, cumulative group ends on device):
+
+- ``"rows"`` (MoE, as ``torch._grouped_mm``): A (total_M, K), B (G, N, K)
+  ("tn") or (G, K, N) ("nn"), out (total_M, N); group g owns rows
+  ``[offs[g-1], offs[g])``. One TMA descriptor covers all of A: a tile reads
+  from its group's first row plus its own offset, so rows of the next group
+  may be loaded but never stored. Tiles that end inside their group store
+  by TMA; a group's last, partial tile stores from registers with a row
+  mask, so the next group's rows stay untouched.
+- ``"k"`` (G problems of M x N with their own K, packed along K): A (M, ΣK),
+  B (N, ΣK) ("tn") or (ΣK, N) ("nn"), out (G, M, N); group g is the K range
+  ``[offs[g-1], offs[g])``, each a multiple of `TILE_K` so a k-block never
+  straddles two groups. Packing keeps one descriptor per operand, so no
+  descriptor is rewritten in the kernel.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, Int64, const_expr
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from kernels.group_table import GroupedTileScheduler, GroupTable
+from kernels.grouped import FORMS, MAX_GROUPS
+from kernels.sm90.gemm import (
+    _LOAD_WARP,
+    _PRODUCER_REGS,
+    _CONSUMER_REGS,
+    _SCHED_WARP,
+    _SMEM_ALIGN,
+    _THREADS_PER_GROUP,
+    _WARPS_PER_GROUP,
+    Sm90GemmKernel,
+)
+from kernels.space import TILE_K, GemmConfig, InvalidConfig
+
+# The warp that builds the group table (free before the roles split).
+_TABLE_WARP = 2
+
+
+class Sm90GroupedGemmKernel(Sm90GemmKernel):
+    """``__call__(a, b, out, offs, sched_buf, max_clusters, stream)``; see the module doc."""
+
+    def __init__(self, cfg: GemmConfig, layout: str = "tn", form: str = "rows"):
+        super().__init__(cfg, layout)
+        self.can_implement_grouped(cfg, form)
+        self.form = form
+
+    @staticmethod
+    def can_implement_grouped(cfg: GemmConfig, form: str) -> None:
+        if form not in FORMS:
+            raise InvalidConfig(f"unknown grouped form {form!r}; expected one of {FORMS}")
+        if cfg.split_k != 1:
+            raise InvalidConfig("grouped kernels do not split K")
+
+    # ------------------------------------------------------------------ host side
+
+    def _grouped_views(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
+        """(m, k, l), (n, k, l), (m, n, l) views; l is the group where the operand has one."""
+        m, k = a.shape
+        a3 = cute.make_tensor(a.iterator, cute.make_layout((m, k, 1), stride=(a.stride[0], 1, 0)))
+        if const_expr(self.form == "rows"):
+            groups, _, _ = b.shape
+            if const_expr(self.layout == "tn"):
+                n = b.shape[1]
+                b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, groups), stride=(b.stride[1], 1, b.stride[0])))
+            else:
+                n = b.shape[2]
+                b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, groups), stride=(1, b.stride[1], b.stride[0])))
+            c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, 0)))
+        else:
+            if const_expr(self.layout == "tn"):
+                n = b.shape[0]
+                b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, 1), stride=(b.stride[0], 1, 0)))
+            else:
+                n = b.shape[1]
+                b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, 1), stride=(1, b.stride[0], 0)))
+            c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, c.shape[0]), stride=(c.stride[1], 1, c.stride[0])))
+        return a3, b3, c3
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        offs: cute.Tensor,
+        sched_buf: cute.Tensor,
+        max_clusters: Int32,
+        stream,
+    ):
+        a3, b3, c3 = self._grouped_views(a, b, c)
+        self._setup(a3, b3, c3)
+        tm, tn, tk = self.tile_mnk
+        tma_a, ta = self._tma_load(a3, self.a_smem, (tm, tk), self.a_mcast)
+        tma_b, tb = self._tma_load(b3, self.b_smem, (tn, tk), self.b_mcast)
+        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            c3,
+            cute.slice_(self.c_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+        # Upper bound of the work: the launch must not depend on offs (no sync).
+        cluster_rows = tm * self.cluster_mn[0]
+        clusters_n = (c3.shape[1] + tn * self.cluster_mn[1] - 1) // (tn * self.cluster_mn[1])
+        groups = offs.shape[0]
+        if const_expr(self.form == "rows"):
+            bound = ((c3.shape[0] + cluster_rows - 1) // cluster_rows + groups) * clusters_n
+        else:
+            bound = (c3.shape[0] + cluster_rows - 1) // cluster_rows * clusters_n * groups
+        clusters = bound
+        if const_expr(self.sched.kind != "single_tile"):
+            clusters = cutlass.min(bound, max_clusters)
+
+        @cute.struct
+        class SharedStorage:
+            load_bars: cute.struct.MemRange[Int64, 2 * self.stages]
+            ring_bars: cute.struct.MemRange[Int64, self.ring_words[0]]
+            ring_slots: cute.struct.Align[cute.struct.MemRange[Int32, self.ring_words[1]], 16]
+            bounds: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+            starts: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], _SMEM_ALIGN]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], _SMEM_ALIGN]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], _SMEM_ALIGN]
+
+        self.shared_storage = SharedStorage
+        self.grouped_kernel(
+            tma_a, ta, tma_b, tb, tma_c, tc, c3, offs, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem,
+            sched_buf,
+        ).launch(
+            grid=(self.cluster_mn[0] * clusters, self.cluster_mn[1], 1),
+            block=[self.threads, 1, 1],
+            cluster=(*self.cluster_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+
+    @cute.kernel
+    def grouped_kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        c3: cute.Tensor,
+        offs: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        c_smem: cute.ComposedLayout,
+        sched_buf: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == _LOAD_WARP:
+            for atom in (tma_a, tma_b, tma_c):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cluster_layout.get_flat_coord(rank)
+        a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1) if self.a_mcast > 1 else 0
+        b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0) if self.b_mcast > 1 else 0
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        load_pipe, ring = self._pipelines(storage, a_smem, b_smem, cluster_layout)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+
+        tm, tn, tk = self.tile_mnk
+        m_total, n_total, _ = c3.shape
+        clusters_n = (n_total + tn * self.cluster_mn[1] - 1) // (tn * self.cluster_mn[1])
+        cluster_rows = tm * self.cluster_mn[0]
+        table = GroupTable(
+            self.form,
+            storage.bounds.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
+            storage.starts.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
+            offs.shape[0],
+            (m_total + cluster_rows - 1) // cluster_rows,
+            clusters_n,
+            cluster_rows,
+        )
+        table.build(offs, m_total if const_expr(self.form == "rows") else mA.shape[1], warp_idx == _TABLE_WARP)
+        cute.arch.sync_threads()
+
+        group_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_GROUP)
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if group_idx == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == _LOAD_WARP:
+                sched = GroupedTileScheduler.create(self.sched, table, ring)
+                work = sched.initial_work()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                while work.is_valid:
+                    m, n, g = work.tile
+                    row0, k0, k_tiles, la, lb, _, _ = self._placement(table, m, g, mA.shape[1])
+                    gA = cute.local_tile(cute.domain_offset((row0, k0, 0), mA), (tm, tk), (0, None, la))
+                    gB = cute.local_tile(cute.domain_offset((0, k0, 0), mB), (tn, tk), (n, None, lb))
+                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                        tma_a,
+                        cluster_coord[1],
+                        cute.make_layout(cute.slice_(cluster_layout, (0, None, 0)).shape),
+                        cute.group_modes(sA, 0, 2),
+                        cute.group_modes(gA, 0, 2),
+                    )
+                    tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                        tma_b,
+                        cluster_coord[0],
+                        cute.make_layout(cute.slice_(cluster_layout, (None, 0, 0)).shape),
+                        cute.group_modes(sB, 0, 2),
+                        cute.group_modes(gB, 0, 2),
+                    )
+                    for kt in range(k_tiles):
+                        load_pipe.producer_acquire(state)
+                        bar = load_pipe.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+                        cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+                        load_pipe.producer_commit(state)
+                        state.advance()
+                    work = sched.advance()
+                load_pipe.producer_tail(state)
+            if warp_idx == _SCHED_WARP:
+                GroupedTileScheduler.create(self.sched, table, ring).serve_claims(sched_buf)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self._consume_grouped(
+                tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, mA.shape[1], tidx, warp_idx, group_idx,
+                GroupedTileScheduler.create(self.sched, table, ring),
+            )
+
+    def _placement(self, table: GroupTable, m, g, k_packed):
+        """Where tile (m, ., g) lives: (first row, first k, k-tiles, l of A, l of B, l of C, rows left)."""
+        tm = self.tile_mnk[0]
+        lo = table.bounds[g]
+        hi = table.bounds[g + 1]
+        if const_expr(self.form == "rows"):
+            row0 = lo + m * tm
+            return row0, Int32(0), (k_packed + TILE_K - 1) // TILE_K, Int32(0), g, Int32(0), hi - row0
+        return m * tm, lo, (hi - lo) // TILE_K, Int32(0), Int32(0), g, Int32(tm)
+
+    @cute.jit
+    def _consume_grouped(
+        self, tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, k_packed, tidx, warp_idx, group_idx, sched
+    ):
+        """Consumer warpgroups: the dense mainloop and epilogue at the tile's group coordinates."""
+        tm, tn, _ = self.tile_mnk
+        mma_tidx = tidx - _THREADS_PER_GROUP
+        thr_mma = tiled_mma.get_slice(
+            cute.make_layout(self.mma_groups, stride=_THREADS_PER_GROUP)(group_idx - 1)
+        )
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))).shape, cutlass.Float32)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((tm, tn)))
+        epi = self._epilogue(tiled_mma, sC, acc, mma_tidx, warp_idx)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        subtiles_done = Int32(0)
+        n_total = c3.shape[1]
+
+        work = sched.initial_work()
+        while work.is_valid:
+            m, n, g = work.tile
+            row0, _, k_tiles, _, _, lc, rows_left = self._placement(table, m, g, k_packed)
+            read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
+            if rows_left >= tm:
+                gC = cute.local_tile(cute.domain_offset((row0, 0, 0), mC), (tm, tn), (0, n, lc))
+                subtiles_done = self._store_tile(epi, acc, tma_c, gC, subtiles_done)
+            else:
+                # The group ends inside this tile: mask rows of the next group.
+                gC = cute.local_tile(cute.domain_offset((row0, 0, 0), c3), (tm, tn), (0, n, lc))
+                tCgC = thr_mma.partition_C(gC)
+                cols_left = n_total - n * tn
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, col = tCcC[i]
+                    if r < rows_left and col < cols_left:
+                        tCgC[i] = acc[i].to(self.c_dtype)
+            work = sched.advance()
+        epi.store_pipe.producer_tail()

@@ -1,0 +1,211 @@
+"""Grouped GEMM: host decode mirror, skewed group sizes, offline compiles (CI), correctness on a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import compile as kc
+from kernels.grouped import MAX_GROUPS, locate, tile_starts
+from kernels.space import GemmConfig
+from tuner._gpu_worker import group_bounds
+
+DYN = "dynamic_persistent"
+STATIC = "static_persistent"
+
+
+# ---------------------------------------------------------------- host side
+
+
+def test_tile_starts_count_tiles_per_group():
+    # 128-row cluster tiles, 3 clusters along N.
+    starts = tile_starts([37, 300, 300, 429, 1000], "rows", 1000, 0, 3, 128)
+    assert starts == [0, 3, 12, 12, 18, 33]
+    # Offsets past the extent are clipped to it.
+    assert tile_starts([100, 5000], "rows", 200, 0, 1, 64) == [0, 2, 4]
+    # The K form: every group owns the whole M x N grid.
+    assert tile_starts([64, 64, 512], "k", 512, 4, 2, 128) == [0, 8, 16, 24]
+
+
+def test_locate_skips_empty_groups():
+    starts = [0, 3, 3, 3, 5]
+    assert [locate(i, starts) for i in range(5)] == [(0, 0), (0, 1), (0, 2), (3, 0), (3, 1)]
+
+
+def test_group_bounds_equal_without_skew():
+    assert group_bounds(100, 4, 0.0) == [0, 25, 50, 75, 100]
+    assert group_bounds(10, 4, 0.0) == [0, 2, 4, 6, 10]
+
+
+def test_group_bounds_skewed_are_uneven_and_repeatable():
+    bounds = group_bounds(8192, 64, 1.0)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and bounds[-1] == 8192 and min(sizes) >= 0
+    assert max(sizes) > 4 * (8192 // 64)
+    assert group_bounds(8192, 64, 1.0) == bounds
+    assert group_bounds(8192, 64, 1.0, seed=1) != bounds
+
+
+# ---------------------------------------------------------------- offline (CI)
+
+
+def _v(form, layout="tn", **fields) -> kc.Variant:
+    return kc.Variant(GemmConfig(**fields), "bf16", "bf16", layout, form)
+
+
+OFFLINE = [
+    _v("rows", scheduler=STATIC),
+    _v("rows", scheduler=DYN),
+    _v("rows", "nn", scheduler=DYN, tile_m=128, tile_n=256, cluster_m=2),
+    _v("rows", "nn", scheduler=STATIC, tile_m=64, tile_n=128, cluster_n=2),
+    _v("k", scheduler=STATIC),
+    _v("k", "nn", scheduler=DYN, sched_depth=2),
+]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return kc.compile_offline(OFFLINE, workers=2)
+
+
+def test_offline_grouped_variants_compile(offline):
+    for v, k in zip(OFFLINE, offline, strict=True):
+        assert "wgmma.mma_async" in k.ptx, v.key()
+        # Only the dynamic scheduler claims work with a global atomic.
+        assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler == DYN), v.key()
+        assert k.stack_bytes == 0, v.key()
+        assert k.smem_bytes <= 227 * 1024, v.key()
+
+
+def test_variant_key_names_the_form():
+    assert _v("rows").key().endswith("-grouped_rows")
+    assert kc.Variant(GemmConfig()).key() == kc.Variant(GemmConfig(), grouped="").key()
+
+
+# ---------------------------------------------------------------- GPU
+
+
+GPU_CFGS = [
+    GemmConfig(scheduler=STATIC),
+    GemmConfig(scheduler=DYN),
+    GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, cluster_m=2),
+    GemmConfig(scheduler=STATIC, tile_m=64, tile_n=128, cluster_n=2, swizzle=2),
+]
+
+
+def _rows_patterns() -> dict[str, list[int]]:
+    rng = random.Random(7)
+    many = [rng.choice([0, 0, 1, 17, 64, 128, 200]) for _ in range(64)]
+    return {
+        "uneven": [37, 300, 0, 129, 64, 1],
+        "empty_ends": [0, 0, 200, 0],
+        "one_holds_all": [0, 0, 517, 0],
+        "tile_multiple": [128, 128, 128, 128],
+        "single": [777],
+        "many": many,
+        "short_offs": [100, 50],  # rows past offs[-1] belong to no group
+    }
+
+
+def _offs(sizes):
+    return torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+
+
+def _rows_case(sizes, n, k, layout, extra_rows=0):
+    g, total = len(sizes), sum(sizes) + extra_rows
+    a = torch.randn(total, k, device="cuda").mul_(k ** -0.25).bfloat16()
+    shape = (g, n, k) if layout == "tn" else (g, k, n)
+    b = torch.randn(*shape, device="cuda").mul_(k ** -0.25).bfloat16()
+    return a, b, _offs(sizes)
+
+
+def _rows_reference(a, b, offs, layout):
+    out, lo = torch.full((a.shape[0], b.shape[1] if layout == "tn" else b.shape[2]), float("nan")), 0
+    for g, hi in enumerate(offs.tolist()):
+        w = b[g].float()
+        out[lo:hi] = (a[lo:hi].float() @ (w.t() if layout == "tn" else w)).cpu()
+        lo = hi
+    return out
+
+
+def _assert_close(got, ref, case=""):
+    got = got.float().cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"{case}: rows outside every group written or missed"
+    live = ~torch.isnan(ref)
+    err = (got[live] - ref[live]).norm() / ref[live].norm().clamp_min(1e-6)
+    assert err < 2e-2, f"{case}: relative error {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", GPU_CFGS, ids=lambda c: c.name())
+def test_rows_form_every_pattern(cfg, layout):
+    run = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout=layout, grouped="rows")
+    for name, sizes in _rows_patterns().items():
+        a, b, offs = _rows_case(sizes, 264, 320, layout, extra_rows=19 if name == "short_offs" else 0)
+        out = torch.full((a.shape[0], 264), float("nan"), device="cuda", dtype=torch.bfloat16)
+        run(a, b, offs, out)
+        torch.cuda.synchronize()
+        _assert_close(out, _rows_reference(a, b, offs, layout), name)
+
+
+def _k_case(ks, m, n, layout):
+    a = torch.cat([torch.randn(m, k, device="cuda").mul_(k ** -0.25) for k in ks], dim=1).bfloat16()
+    parts = [torch.randn(n, k, device="cuda").mul_(k ** -0.25) for k in ks]
+    b = (torch.cat(parts, dim=1) if layout == "tn" else torch.cat([p.t() for p in parts], dim=0)).bfloat16()
+    return a, b, _offs(ks)
+
+
+def _k_reference(a, b, offs, layout):
+    outs, lo = [], 0
+    for hi in offs.tolist():
+        x = a[:, lo:hi].float()
+        w = b[:, lo:hi].float().t() if layout == "tn" else b[lo:hi].float()
+        outs.append((x @ w).cpu())
+        lo = hi
+    return torch.stack(outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", GPU_CFGS[:3], ids=lambda c: c.name())
+def test_k_form_mixed_k(cfg, layout):
+    run = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout=layout, grouped="k")
+    for ks, m in (([64, 1024, 128, 2048], 200), ([512], 129), ([4096, 64, 64], 384)):
+        a, b, offs = _k_case(ks, m, 264, layout)
+        out = torch.full((len(ks), m, 264), float("nan"), device="cuda", dtype=torch.bfloat16)
+        run(a, b, offs, out)
+        torch.cuda.synchronize()
+        _assert_close(out, _k_reference(a, b, offs, layout))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [GPU_CFGS[1], GPU_CFGS[2]], ids=lambda c: c.name())
+def test_dynamic_replays_in_a_cuda_graph_with_new_offsets(cfg):
+    run = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="tn", grouped="rows")
+    patterns = [[300, 0, 212, 0], [0, 512, 0, 0], [1, 2, 3, 506]]
+    a, b, offs = _rows_case(patterns[0], 264, 320, "tn")
+    out = torch.empty(512, 264, device="cuda", dtype=torch.bfloat16)
+    run(a, b, offs, out)  # compile and load outside the capture
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run(a, b, offs, out)
+    for sizes in patterns * 2:
+        offs.copy_(_offs(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, _rows_reference(a, b, offs, "tn"))
+
+
+@pytest.mark.gpu
+def test_too_many_groups_is_refused():
+    run = kc.get_kernel(GemmConfig(scheduler=STATIC), dtype_in="bf16", dtype_out="bf16", layout="tn", grouped="rows")
+    g = MAX_GROUPS + 1
+    a, b, offs = _rows_case([1] * g, 64, 64, "tn")
+    with pytest.raises(kc.InvalidConfig):
+        run(a, b, offs, torch.empty(g, 64, device="cuda", dtype=torch.bfloat16))
