@@ -15,9 +15,11 @@ Requests: {"op": "hello"}, {"op": "compile", "configs": [...]},
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -110,10 +112,46 @@ def _torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _group_bounds(m: int, groups: int) -> list[int]:
-    """Equal MoE splits of m rows (the last group takes the remainder)."""
-    size = m // groups
-    return [size * i for i in range(groups)] + [m]
+# MoE routing skew drawn for grouped problems when a request names none: the
+# Zipf exponent of expert popularity (0 = equal split). With 1.0 the busiest
+# of 64 experts gets about a fifth of the tokens and some get none.
+DEFAULT_GROUP_SKEW = 1.0
+_ROUTING_SEED = 0
+
+
+def group_bounds(m: int, groups: int, skew: float = DEFAULT_GROUP_SKEW, seed: int = _ROUTING_SEED) -> list[int]:
+    """Row bounds [0, ..., m] of `groups` MoE groups of m rows in all.
+
+    skew 0: equal splits (the last group takes the remainder). Otherwise
+    expert e of a seeded random order gets a share proportional to
+    1 / (rank + 1) ** skew, rounded by largest remainders: uneven, with
+    empty groups when m is small, and the same for the same arguments.
+    """
+    if skew <= 0:
+        size = m // groups
+        return [size * i for i in range(groups)] + [m]
+    rng = random.Random(seed)
+    ranks = list(range(groups))
+    rng.shuffle(ranks)
+    weights = [1.0 / (r + 1) ** skew for r in ranks]
+    total = sum(weights)
+    exact = [m * w / total for w in weights]
+    sizes = [int(x) for x in exact]
+    by_remainder = sorted(range(groups), key=lambda i: exact[i] - sizes[i], reverse=True)
+    for i in by_remainder[: m - sum(sizes)]:
+        sizes[i] += 1
+    return [0] + list(itertools.accumulate(sizes))
+
+
+def _bounds(p: dict) -> list[int]:
+    """MoE row bounds of a grouped problem dict (its "skew", else the default)."""
+    return group_bounds(p["m"], p["groups"], p.get("skew", DEFAULT_GROUP_SKEW))
+
+
+def _k_slices(p: dict) -> list[tuple[int, int]]:
+    """Packed K range of every group of a mixed-K problem dict."""
+    ends = list(itertools.accumulate(p["group_k"]))
+    return list(zip([0] + ends[:-1], ends))
 
 
 def _make_operands(p: dict, gen) -> _Operands:
@@ -128,15 +166,18 @@ def _make_operands(p: dict, gen) -> _Operands:
         return t.mul_(k ** -0.25).to(din)
 
     if p.get("group_k"):
-        a = [rand(m, kg, k=kg) for kg in p["group_k"]]
-        b = [rand(n, kg, k=kg) if p["layout"] == "tn" else rand(kg, n, k=kg) for kg in p["group_k"]]
+        # Packed along K (the grouped kernels' "k" form): one A, one B.
+        a = torch.cat([rand(m, kg, k=kg) for kg in p["group_k"]], dim=1)
+        parts = [rand(n, kg, k=kg) for kg in p["group_k"]]
+        b = torch.cat(parts, dim=1) if p["layout"] == "tn" else torch.cat([x.t() for x in parts]).contiguous()
+        offs = torch.tensor(list(itertools.accumulate(p["group_k"])), device="cuda", dtype=torch.int32)
         out = torch.empty(g, m, n, device="cuda", dtype=dout)
-        return _Operands((a, b, out), out)
+        return _Operands((a, b, offs, out), out)
     k = p["k"]
     a = rand(m, k, k=k)
     if g > 1:
         b = rand(g, n, k, k=k) if p["layout"] == "tn" else rand(g, k, n, k=k)
-        offs = torch.tensor(_group_bounds(m, g)[1:], device="cuda", dtype=torch.int32)
+        offs = torch.tensor(_bounds(p)[1:], device="cuda", dtype=torch.int32)
         out = torch.empty(m, n, device="cuda", dtype=dout)
         return _Operands((a, b, offs, out), out)
     b = rand(n, k, k=k) if p["layout"] == "tn" else rand(k, n, k=k)
@@ -152,11 +193,12 @@ def _reference(p: dict, ops: _Operands):
         return a.float() @ (b.float().t() if p["layout"] == "tn" else b.float())
 
     if p.get("group_k"):
-        a, b, _ = ops.args
-        return torch.stack([mm(x, y) for x, y in zip(a, b, strict=True)])
+        a, b, _, _ = ops.args
+        tn = p["layout"] == "tn"
+        return torch.stack([mm(a[:, s:e], b[:, s:e] if tn else b[s:e]) for s, e in _k_slices(p)])
     if p["groups"] > 1:
         a, b, _, _ = ops.args
-        bounds = _group_bounds(p["m"], p["groups"])
+        bounds = _bounds(p)
         return torch.cat([mm(a[s:e], b[i]) for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
     a, b, _ = ops.args
     return mm(a, b)
@@ -176,9 +218,11 @@ def _baseline_launch(p: dict) -> Callable:
         return torch.mm(a, b.t() if tn else b, out_dtype=dout)
 
     if p.get("group_k"):
-        def per_group_k(a, b, out):
-            for i, (x, y) in enumerate(zip(a, b, strict=True)):
-                out[i].copy_(dense(x, y))
+        slices = _k_slices(p)
+
+        def per_group_k(a, b, offs, out):
+            for i, (s, e) in enumerate(slices):
+                out[i].copy_(dense(a[:, s:e], b[:, s:e] if tn else b[s:e]))
             return out
         return per_group_k
     if p["groups"] > 1:
@@ -197,16 +241,29 @@ def _baseline_launch(p: dict) -> Callable:
 _runners: dict[tuple, object] = {}
 
 
+def grouped_form(p: dict) -> str:
+    """The `kernels.grouped` form of a problem dict ("" when not grouped)."""
+    if p["groups"] == 1:
+        return ""
+    return "k" if p.get("group_k") else "rows"
+
+
 def _pool_launch(cfg_dict: dict, p: dict) -> Callable:
     from kernels.compile import get_kernel
     from kernels.space import GemmConfig
 
     cfg = GemmConfig.from_dict(cfg_dict)
-    cache_key = (cfg, p["dtype_in"], p["dtype_out"], p["layout"])
+    grouped = grouped_form(p)
+    cache_key = (cfg, p["dtype_in"], p["dtype_out"], p["layout"], grouped)
     if cache_key not in _runners:
         _runners[cache_key] = get_kernel(cfg, dtype_in=p["dtype_in"], dtype_out=p["dtype_out"],
-                                         layout=p["layout"])
+                                         layout=p["layout"], grouped=grouped)
     runner = _runners[cache_key]
+    if grouped:
+        def launch_grouped(a, b, offs, out):
+            runner(a, b, offs, out)
+            return out
+        return launch_grouped
 
     def launch(a, b, out):
         runner(a, b, out)

@@ -30,7 +30,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kernels.space import GemmConfig, InvalidConfig, check_problem
+from kernels.grouped import MAX_GROUPS
+from kernels.space import TILE_K, GemmConfig, InvalidConfig, check_problem
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
 
@@ -45,6 +46,8 @@ REMEASURE_ROUNDS = 15
 _CAPABILITY = {"sm90": (9, 0), "sm100": (10, 0)}
 _STDERR_LINES = 40
 GROUPED_NOT_IN_POOL = "grouped GEMM not in the pool yet"
+# Archs whose pool has grouped kernels (`kernels.compile` grouped classes).
+_GROUPED_ARCHS = ("sm90",)
 
 
 class GpuUnavailable(RuntimeError):
@@ -226,11 +229,14 @@ class GpuBackend:
     name = "gpu"
 
     def __init__(self, arch: str = "sm90", device_index: int = 0, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, argv: list[str] | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, argv: list[str] | None = None,
+                 group_skew: float | None = None):
+        """`group_skew`: Zipf exponent of MoE group sizes (None: the worker's default, 0: equal)."""
         if arch not in _CAPABILITY:
             raise GpuUnavailable(f"unknown arch {arch!r}")
         self.arch = arch
         self.timeout_s = timeout_s
+        self.group_skew = group_skew
         self._worker = WorkerProcess(argv or worker_argv(device_index), env=_worker_env())
         try:
             hello = self._worker.start()
@@ -296,7 +302,7 @@ class GpuBackend:
         if runnable:
             p = key.problem
             msg = {
-                "op": "remeasure", "problem": problem_to_json(p), "rounds": rounds,
+                "op": "remeasure", "problem": self._problem_json(p), "rounds": rounds,
                 "configs": [_cfg_json(cfgs[i]) for i in runnable],
                 "check": [not self._is_verified(cfgs[i], p) for i in runnable],
             }
@@ -313,7 +319,7 @@ class GpuBackend:
 
     def _measure_one(self, key: Key, cfg: GemmConfig | None) -> Measurement:
         p = key.problem
-        msg = {"op": "measure", "problem": problem_to_json(p), "config": _cfg_json(cfg),
+        msg = {"op": "measure", "problem": self._problem_json(p), "config": _cfg_json(cfg),
                "check": not self._is_verified(cfg, p)}
         try:
             m = measurement_from_json(self._worker.call(msg, self.timeout_s))
@@ -336,12 +342,20 @@ class GpuBackend:
         if cfg.arch != self.arch:
             return f"config is for {cfg.arch}; this backend measures {self.arch}"
         if p.groups > 1:
-            return GROUPED_NOT_IN_POOL
+            refusal = _grouped_refusal(cfg, p)
+            if refusal:
+                return refusal
         try:
             check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
         except InvalidConfig as exc:
             return f"invalid for this problem: {exc}"
         return None
+
+    def _problem_json(self, p: Problem) -> dict:
+        d = problem_to_json(p)
+        if p.groups > 1 and self.group_skew is not None:
+            d["skew"] = self.group_skew
+        return d
 
     def _is_verified(self, cfg: GemmConfig | None, p: Problem) -> bool:
         return (_cfg_name(cfg), p) in self._verified
@@ -349,6 +363,17 @@ class GpuBackend:
     def _note(self, cfg: GemmConfig | None, p: Problem, m: Measurement) -> None:
         if m.ok:
             self._verified.add((_cfg_name(cfg), p))
+
+
+def _grouped_refusal(cfg: GemmConfig, p: Problem) -> str | None:
+    """Why the grouped kernels cannot run `p` with `cfg`, or None."""
+    if cfg.arch not in _GROUPED_ARCHS:
+        return f"{GROUPED_NOT_IN_POOL} for {cfg.arch}"
+    if p.groups > MAX_GROUPS:
+        return f"{p.groups} groups; the grouped kernels take at most {MAX_GROUPS}"
+    if any(k % TILE_K for k in p.group_k):
+        return f"per-group K must be multiples of {TILE_K} for the packed mixed-K kernel"
+    return None
 
 
 def _cfg_json(cfg: GemmConfig | None) -> dict | None:

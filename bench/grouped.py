@@ -1,0 +1,169 @@
+"""Grouped GEMM on Hopper: static vs dynamic scheduling, and MoE keys against torch.
+
+    python -m bench.grouped [--part seed000 moe] [--out bench/results]
+
+(a) seed000: four problems of 1024 x 1024 with K = 1024, K, 1024, K packed
+    along K, K from 1024 to 32768. Same tile for both schedulers (128 x 128,
+    one CTA per cluster), the scheduler the only change; the per-group cuBLAS
+    loop for reference. Static persistence deals the long-K tiles of groups
+    1 and 3 to the same CTAs; the dynamic scheduler hands each to a free CTA.
+(b) moe: MoE keys (8 and 64 experts, hidden sizes 2048 to 7168), balanced
+    (skew 0) and skewed (`tuner._gpu_worker.DEFAULT_GROUP_SKEW`) routing, one
+    with SMs held by another kernel; a few pool configs per key, the best
+    re-measured interleaved with `torch._grouped_mm` (a loop of cuBLAS
+    calls per expert is not measured for these keys yet).
+
+All times come from `tuner.gpu.GpuBackend` (CUDA graph replays, operands
+rotated through more than L2). Writes `<out>/<device-slug>-grouped.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from bench.kernels_sm90 import ARCH, device_slug, max_stages
+from kernels.space import GemmConfig
+from tuner._gpu_worker import DEFAULT_GROUP_SKEW
+from tuner.gpu import GpuBackend
+from tuner.key import Key, Problem
+
+SEED000_K = [2 ** e for e in range(10, 16)]
+SEED000_TILE = dict(tile_m=128, tile_n=128)
+# (experts, routed rows, N, K): up and down projections of two MoE sizes.
+MOE_KEYS = [
+    (8, 16384, 4096, 2048),
+    (8, 16384, 2048, 4096),
+    (64, 16384, 7168, 2048),
+    (64, 16384, 2048, 7168),
+]
+HELD_SMS = 20
+MOE_TILES = (
+    dict(tile_m=128, tile_n=256, cluster_m=2, swizzle=4),
+    dict(tile_m=128, tile_n=256, swizzle=4),
+    dict(tile_m=128, tile_n=128, cluster_n=2, swizzle=4),
+)
+_SCHEDULERS = ("static_persistent", "dynamic_persistent")
+
+
+def _cfg(scheduler: str, **tile) -> GemmConfig:
+    fields = dict(arch=ARCH, **tile)
+    return GemmConfig(scheduler=scheduler, stages=max_stages(scheduler="dynamic_persistent", **fields), **fields)
+
+
+def _tflops(p: Problem, ms: float | None) -> float | None:
+    return None if not ms else p.flops / ms / 1e9
+
+
+def seed000(backend: GpuBackend) -> list[dict]:
+    static, dynamic = (_cfg(s, **SEED000_TILE) for s in _SCHEDULERS)
+    records = []
+    for k in SEED000_K:
+        p = Problem(1024, 1024, k, groups=4, group_k=(1024, k, 1024, k))
+        res = backend.remeasure(Key(ARCH, backend.device_name, p), [static, dynamic, None])
+        rec = {"part": "seed000", "K": k, "config": static.name()}
+        for label, r in zip(("static", "dynamic", "cublas_loop"), res, strict=True):
+            rec[f"{label}_ms"] = r.ms if r.ok else None
+            rec[f"{label}_tflops"] = _tflops(p, r.ms if r.ok else None)
+            if not r.ok:
+                rec[f"{label}_error"] = r.error
+        if rec["static_ms"] and rec["dynamic_ms"]:
+            rec["dynamic_over_static"] = rec["static_ms"] / rec["dynamic_ms"]
+        records.append(rec)
+        print(json.dumps(rec), file=sys.stderr)
+    return records
+
+
+def _moe_problems() -> list[tuple[Problem, float]]:
+    out = [(Problem(m, n, k, groups=g), skew) for g, m, n, k in MOE_KEYS for skew in (0.0, DEFAULT_GROUP_SKEW)]
+    g, m, n, k = MOE_KEYS[0]
+    return out + [(Problem(m, n, k, groups=g, carveout=HELD_SMS), DEFAULT_GROUP_SKEW)]
+
+
+def moe(device: int) -> list[dict]:
+    cfgs = [_cfg(s, **tile) for tile in MOE_TILES for s in _SCHEDULERS]
+    records = []
+    for skew in (0.0, DEFAULT_GROUP_SKEW):
+        with GpuBackend(ARCH, device, group_skew=skew) as backend:
+            for p, s in _moe_problems():
+                if s != skew:
+                    continue
+                key = Key(ARCH, backend.device_name, p)
+                rec = {"part": "moe", "experts": p.groups, "M": p.m, "N": p.n, "K": p.k,
+                       "skew": skew, "held_sms": p.carveout}
+                timed = [(m.ms, c) for c in cfgs if (m := backend.measure(key, c)).ok]
+                if not timed:
+                    rec["error"] = backend.measure(key, cfgs[0]).error
+                    records.append(rec)
+                    continue
+                best = min(timed, key=lambda t: t[0])[1]
+                pool, torch_mm = backend.remeasure(key, [best, None])
+                rec.update(config=best.name(), pool_ms=pool.ms, grouped_mm_ms=torch_mm.ms)
+                if pool.ok and torch_mm.ok:
+                    rec["pool_over_grouped_mm"] = torch_mm.ms / pool.ms
+                records.append(rec)
+                print(json.dumps(rec), file=sys.stderr)
+    return records
+
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def markdown(records: list[dict]) -> str:
+    def f(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = []
+    seed = [r for r in records if r["part"] == "seed000"]
+    if seed:
+        lines += ["| K | static TFLOP/s | dynamic TFLOP/s | dynamic / static | cuBLAS loop TFLOP/s |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['K']} | {f(r['static_tflops'], '.1f')} | {f(r['dynamic_tflops'], '.1f')} | "
+                  f"{f(r.get('dynamic_over_static'))} | {f(r['cublas_loop_tflops'], '.1f')} |" for r in seed]
+    moe_recs = [r for r in records if r["part"] == "moe"]
+    if moe_recs:
+        lines += ["", "| experts | M | N | K | skew | held SMs | pool ms | torch._grouped_mm ms | speedup | config |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['experts']} | {r['M']} | {r['N']} | {r['K']} | {r['skew']} | {r['held_sms']} | "
+                  f"{f(r.get('pool_ms'), '.4f')} | {f(r.get('grouped_mm_ms'), '.4f')} | "
+                  f"{f(r.get('pool_over_grouped_mm'))} | {r.get('config', r.get('error', '-'))} |" for r in moe_recs]
+        lines.append(f"\ngeomean speedup over torch._grouped_mm: "
+                     f"{f(geomean([r.get('pool_over_grouped_mm') for r in moe_recs]))}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    records, device_name, versions = [], None, {}
+    if "seed000" in args.part:
+        with GpuBackend(ARCH, args.device) as backend:
+            device_name, versions = backend.device_name, backend.versions()
+            records += seed000(backend)
+    if "moe" in args.part:
+        records += moe(args.device)
+    if records:
+        if device_name is None:
+            with GpuBackend(ARCH, args.device) as backend:
+                device_name, versions = backend.device_name, backend.versions()
+        out = Path(args.out) / f"{device_slug(device_name)}-grouped.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": device_name, "versions": versions, "records": records}, indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    print(markdown(records))
+    return records
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", nargs="+", choices=("seed000", "moe"), default=["seed000", "moe"])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--device", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run(parse_args())
