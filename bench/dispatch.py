@@ -26,7 +26,6 @@ events over a batch) is recorded too. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.kernels_sm90 import device_slug
+from bench.record import save
 from db.store import Store
 from kernels import space
 from tuner import dispatch
@@ -138,11 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results,
         "gemm_overhead_us": round(overhead, 3),
     }
-    path = Path(args.out) / f"{device_slug(device)}-dispatch.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record, indent=1))
-    print(f"wrote {path}", file=sys.stderr)
+    save(record, args.out, f"{device_slug(device)}-dispatch")
     return record
 
 

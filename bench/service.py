@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import platform
 import random
@@ -45,6 +44,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from bench.kernels_sm90 import device_slug
+from bench.record import save
 
 DEVICES = (("NVIDIA H100 80GB HBM3", "gpu", {"torch": "2.13.0", "cutlass-dsl": "4.8.1"}),
            ("H100-model", "model", {"model": "1"}))
@@ -222,11 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         "families": len(nk), "queries": len(paths), "workers": args.workers, "fill_seconds": round(fill_s, 1),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "phases": phases,
     }
-    out = Path(args.out) / f"{device_slug(host)}-service.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    save(result, args.out, f"{device_slug(host)}-service")
     return result
 
 
