@@ -1,7 +1,7 @@
 """Requests per second and latency of GET /v1/best on loopback.
 
     python -m bench.service [--winners 10000] [--clients 100] [--seconds 8]
-                            [--rates 250,500,1000] [--workers 1] [--out bench/results]
+                            [--rates 500,1000,2000,4000] [--workers 1] [--out bench/results]
 
 Fills a temporary SQLite database with `--winners` winners through `Store`
 (two devices of sm90, one measured and one modeled, ten M values per (N, K)),
@@ -159,13 +159,12 @@ async def _drive(port: int, paths: list[str], clients: int, seconds: float | Non
         for j in itertools.count(i, clients):
             if seconds is None and j >= len(paths):
                 return
-            if rate:
-                await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                sent, due = due, due + period
-            else:
-                sent = time.perf_counter()
+            sent = due if rate else time.perf_counter()
             if sent >= end:
                 return
+            if rate:
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                due += period
             status = await _request(reader, writer, paths[j % len(paths)])
             latencies.append(time.perf_counter() - sent)
             statuses[status] = statuses.get(status, 0) + 1
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=8.0, help="Length of each warm phase.")
     parser.add_argument("--queries", type=int, default=5000, help="Distinct queries the clients cycle through.")
-    parser.add_argument("--rates", default="250,500,1000",
+    parser.add_argument("--rates", default="500,1000,2000,4000",
                         help="Open-loop requests per second, all clients together, comma-separated.")
     parser.add_argument("--workers", type=int, default=1, help="Server processes.")
     parser.add_argument("--out", default="bench/results")
