@@ -27,15 +27,33 @@ class MeasuredBackend(ModelBackend):
         return super().measure(key, cfg)
 
 
-def test_model_picks_cover_every_scheduler_with_runnable_configs():
+def test_model_picks_are_distinct_runnable_shapes_best_first():
+    from tuner.model import predict_ms
+
     for arch in ("sm90", "sm100"):
         key = Key(arch, "dev", Problem(512, 5376, 21504))
-        picks = model_picks(key, per_scheduler=2)
-        scheds = space.knobs(arch)["scheduler"]
-        assert sorted({c.scheduler for c in picks}) == sorted(scheds)
-        assert len(picks) == 2 * len(scheds) == len(set(picks))
+        picks = model_picks(key, count=5)
+        assert len(picks) == 5
+        shapes = {(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, c.split_k, c.cta_group) for c in picks}
+        assert len(shapes) == 5
+        times = [predict_ms(key, c) for c in picks]
+        assert times == sorted(times)
         for cfg in picks:
             space.check_problem(cfg, 512, 5376, 21504)
+
+
+def test_winner_and_scheduler_bests_come_from_one_interleaved_run(tmp_path):
+    backend = MeasuredBackend("sm90")
+    rounds = []
+    backend.remeasure = lambda key, cfgs: rounds.append(cfgs) or ModelBackend.remeasure(backend, key, cfgs)
+    key = Key("sm90", backend.device_name, Problem(4096, 4096, 4096))
+    w = tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=8)).winner
+    (finalists,) = rounds
+    assert None in finalists
+    assert sorted(c.scheduler for c in finalists if c) == sorted(space.knobs("sm90")["scheduler"])
+    assert set(w.best_by_scheduler) == {"cublas", *space.knobs("sm90")["scheduler"]}
+    assert w.ms == min(w.best_by_scheduler.values())
+    assert w.baseline_ms == w.best_by_scheduler["cublas"]
 
 
 def test_measured_study_starts_from_model_picks_compiled_ahead(tmp_path):

@@ -30,9 +30,9 @@ BASELINE = "cublas"
 # Nearest tuned keys whose winners seed a new study.
 WARM_START_KEYS = 3
 # A measured (not modelled) study starts from the configs the analytic model
-# ranks best: this many per scheduler, out of at most MODEL_RANKED samples of
-# the tile / cluster / split-K combinations (other knobs at sound values).
-MODEL_PICKS_PER_SCHEDULER = 2
+# ranks best: this many, out of at most MODEL_RANKED samples of the tile /
+# cluster / split-K combinations (other knobs at sound values).
+MODEL_PICKS = 6
 MODEL_RANKED = 1500
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
@@ -152,44 +152,45 @@ def tune_key(
     if on_trial:
         on_trial(budget.trials, budget.trials)
 
-    winner = _pick_winner(key, backend, measured, measure)
-    best = _best_by_scheduler(measured)
+    winner, best, baseline_ms = _pick_winner(key, backend, measured, measure)
     store.set_winner(
         key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,
-        config=winner.config, ms=winner.ms, baseline_ms=measured[BASELINE].ms, best_by_scheduler=best,
+        config=winner.config, ms=winner.ms, baseline_ms=baseline_ms, best_by_scheduler=best,
         trials=done(),
     )
     return Outcome(key, store.winner(key_dict), skipped=False)
 
 
-def _pick_winner(key, backend, measured, measure) -> TrialView:
-    """Re-measure the two best pool configs and cuBLAS interleaved; fastest wins.
+def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, float], float]:
+    """The winner, each scheduler's best time and the baseline's, all from one
+    interleaved run.
 
-    Before that, the best config is tried under every other scheduler, so the
-    stored per-scheduler times compare like with like.
+    The best config is first tried under every other scheduler; then the
+    best config of each scheduler and cuBLAS are re-measured round robin, so
+    that clock and thermal drift between trials cannot decide the winner and
+    the per-scheduler times compare like with like.
     """
     ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
-    if not ranked:
-        return measured[BASELINE]
-    top = GemmConfig.from_dict(ranked[0].config)
-    variants = [v for v in _scheduler_variants(top) if v.name() not in measured]
-    _prepare(backend, variants)
-    for variant in variants:
-        measure(variant)
-
-    ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
-    finalists = [GemmConfig.from_dict(t.config) for t in ranked[:2]] + [None]
+    if ranked:
+        top = GemmConfig.from_dict(ranked[0].config)
+        variants = [v for v in _scheduler_variants(top) if v.name() not in measured]
+        _prepare(backend, variants)
+        for variant in variants:
+            measure(variant)
+    best_rows: dict[str, TrialView] = {}
+    for t in sorted((t for t in measured.values() if t.ok), key=lambda t: t.ms):
+        best_rows.setdefault(t.scheduler, t)
+    finalists = [GemmConfig.from_dict(t.config) if t.config else None for t in best_rows.values()]
     again = backend.remeasure(key, finalists)
-    scored = [
-        (m.ms, cfg) for m, cfg in zip(again, finalists, strict=True) if m.ok and m.ms is not None
-    ]
-    # The interleaved times replace the first ones: the winner, the baseline
-    # and the per-scheduler bests then all come from the same run.
-    for ms, cfg in scored:
-        name = cfg.name() if cfg else BASELINE
-        measured[name] = replace(measured[name], ms=ms)
-    ms, cfg = min(scored, key=lambda pair: pair[0])
-    return measured[cfg.name() if cfg else BASELINE]
+    scored = {
+        (cfg.name() if cfg else BASELINE): m.ms
+        for m, cfg in zip(again, finalists, strict=True) if m.ok and m.ms is not None
+    }
+    if BASELINE not in scored:
+        raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed when re-measured")
+    name = min(scored, key=scored.get)
+    by_scheduler = {measured[n].scheduler: ms for n, ms in scored.items()}
+    return replace(measured[name], ms=scored[name]), dict(sorted(by_scheduler.items())), scored[BASELINE]
 
 
 def _prepare(backend: Backend, cfgs: list[GemmConfig]) -> None:
@@ -213,14 +214,6 @@ def _scheduler_variants(cfg: GemmConfig) -> list[GemmConfig]:
         if space.is_valid(fields):
             out.append(GemmConfig(**fields))
     return out
-
-
-def _best_by_scheduler(measured: dict[str, TrialView]) -> dict[str, float]:
-    best: dict[str, float] = {}
-    for t in measured.values():
-        if t.ok and t.ms is not None and t.ms < best.get(t.scheduler, math.inf):
-            best[t.scheduler] = t.ms
-    return dict(sorted(best.items()))
 
 
 def _suggest(trial: optuna.Trial, arch: str) -> dict:
@@ -302,12 +295,13 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     return out
 
 
-def model_picks(key: Key, per_scheduler: int = MODEL_PICKS_PER_SCHEDULER) -> list[GemmConfig]:
-    """The configs the analytic model predicts fastest for `key`, best first,
-    `per_scheduler` of each scheduler (so every scheduler is measured)."""
+def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
+    """The `count` configs the analytic model predicts fastest for `key`, best
+    first, one per tile / cluster / split-K shape: the model ranks shapes
+    better than it ranks schedulers, and the search tries the best measured
+    shape under every scheduler anyway."""
     from tuner.model import predict_ms
 
-    p = key.problem
     knobs = space.knobs(key.arch)
     combos = list(itertools.product(
         knobs["scheduler"], _choices(key.arch)["tile"], _choices(key.arch)["cluster"],
@@ -330,11 +324,12 @@ def model_picks(key: Key, per_scheduler: int = MODEL_PICKS_PER_SCHEDULER) -> lis
         except InvalidConfig:
             continue
     scored.sort(key=lambda pair: pair[0])
-    taken: dict[str, int] = {}
+    shapes: set[tuple] = set()
     out = []
     for _, cfg in scored:
-        if taken.get(cfg.scheduler, 0) < per_scheduler:
-            taken[cfg.scheduler] = taken.get(cfg.scheduler, 0) + 1
+        shape = (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.split_k, cfg.cta_group)
+        if shape not in shapes and len(out) < count:
+            shapes.add(shape)
             out.append(cfg)
     return out
 
