@@ -9,6 +9,7 @@ import torch
 
 from db.store import Store
 from kernels import space
+from kernels.grouped import MAX_GROUPS
 from tuner import dispatch, explain, gemm
 from tuner._gpu_worker import versions
 from tuner.key import Key, Problem
@@ -122,6 +123,7 @@ def test_decision_rules_over_a_real_store(db):
     _store_winner(store, key(128, n=2 * N), cfg, {**current, "torch": "0.0-old"})
     _store_winner(store, key(128, n=3 * N), None, current)
     _store_winner(store, key(4096, k=K + 8), split, current)
+    _store_winner(store, key(1024, groups=8), cfg, current)
     store.close()
 
     exact = dispatch.explain_key(key(128))
@@ -139,8 +141,11 @@ def test_decision_rules_over_a_real_store(db):
     assert unfit.path == "torch" and "cannot run this shape" in unfit.reason
     missing = dispatch.explain_key(key(128, n=4 * N))
     assert missing.path == "torch" and "no tuned winner" in missing.reason
-    grouped = dispatch.explain_key(key(128, groups=4))
-    assert grouped.path == "torch" and "grouped" in grouped.reason
+    grouped = dispatch.explain_key(key(1000, groups=8))
+    assert (grouped.path, grouped.tuned_m) == ("kernel", 1024)
+    assert dispatch.explain_key(key(1024, groups=4)).path == "torch"
+    too_many = dispatch.explain_key(key(4096, groups=MAX_GROUPS + 1))
+    assert too_many.path == "torch" and f"at most {MAX_GROUPS}" in too_many.reason
 
 
 def test_no_database_file_means_torch_and_none_is_created(tmp_path):
@@ -246,3 +251,24 @@ def test_stale_winner_falls_back_with_one_warning(db):
     assert len(fallbacks) == 1 and "stale" in fallbacks[0]
     assert explain(a, w.t()).stale
     assert _rel_err(got, a.float() @ w.float().t()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_grouped_winner_runs_the_grouped_kernel(db):
+    arch = {9: "sm90", 10: "sm100"}[torch.cuda.get_device_capability()[0]]
+    device = torch.cuda.get_device_name()
+    cfg = space.defaults(arch)["static_persistent"]
+    store = Store(str(db))
+    _store_winner(store, Key(arch, device, Problem(512, N, K, groups=4)), cfg, versions(device))
+    store.close()
+    a, _ = _operands(512, N, K, device="cuda")
+    w = torch.randn(4, N, K, device="cuda").div_(K ** 0.25).to(torch.bfloat16)
+    bounds = [0, 64, 192, 320, 512]
+    offs = torch.tensor(bounds[1:], device="cuda", dtype=torch.int32)
+    why = explain(a, w.mT, offs=offs)
+    assert (why.path, why.config_name) == ("kernel", cfg.name())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.FallbackWarning)
+        got = gemm(a, w.mT, offs=offs)
+    want = torch.cat([a[s:e].float() @ w[g].float().t() for g, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    assert _rel_err(got, want) < 2e-2

@@ -9,9 +9,10 @@ Convention: `gemm(a, b)` computes y = a @ b with a (M, K) row-major and b the
 - b contiguous (K, N): layout "nn".
 
 Grouped (MoE) form: `offs` holds the cumulative row ends of G groups of a
-(int32, as `torch._grouped_mm` takes them) and b is (G, K, N), by the same
-two conventions per group. The pool has no grouped kernel yet, so grouped
-calls run `torch._grouped_mm`; `explain` says so.
+(int32 on a's device, as `torch._grouped_mm` takes them; the last is M) and b
+is (G, K, N), by the same two conventions per group. The key is (total M, N,
+K, G), and the winner runs the pool's grouped kernel (`kernels.grouped`,
+"rows" form); torch's fallback is `torch._grouped_mm`.
 
 The winner for a key is the exact key's, else the nearest tuned M's
 (`tuner.lookup`). cuBLAS (through torch) runs instead when the tensors are on
@@ -148,8 +149,12 @@ def _run(a, b, out, offs):
         return _torch_gemm(a, b, out, offs)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[-1]), dtype=a.dtype, device=a.device)
-    # The runner takes B as stored: (N, K) for "tn".
-    decision.runner(a, b.mT if layout == "tn" else b, out)
+    # The runners take B as stored: (.., N, K) for "tn".
+    stored = b.mT if layout == "tn" else b
+    if offs is None:
+        decision.runner(a, stored, out)
+    else:
+        decision.runner(a, stored, offs, out)
     return out
 
 
@@ -157,11 +162,13 @@ def _decision(a, b, out, offs, layout, build: bool = True) -> _Decision:
     """The cached decision for this call's key; `build` compiles a kernel winner's runner."""
     dtype_out = a.dtype if out is None else out.dtype
     din, dout = _DTYPE_NAMES.get(a.dtype), _DTYPE_NAMES.get(dtype_out)
-    reason = _tensor_reason(a, b, out, layout, din, dout)
+    reason = _tensor_reason(a, b, out, offs, layout, din, dout)
     if reason is not None:
         return _Decision(Explanation(TORCH, reason))
     groups = 1 if offs is None else b.shape[0]
-    cache_key = (a.device.index, din, dout, layout, a.shape[0], b.shape[-1], a.shape[1], groups)
+    key_fields = (a.device.index, din, dout, layout, a.shape[0], b.shape[-1], a.shape[1], groups)
+    # A one-group grouped call shares the dense key but takes the grouped runner.
+    cache_key = (*key_fields, offs is not None)
     decision = _state.decisions.get(cache_key)
     if decision is not None and (decision.runner is not None or decision.config is None or not build):
         return decision
@@ -169,9 +176,9 @@ def _decision(a, b, out, offs, layout, build: bool = True) -> _Decision:
         return _Decision(Explanation(
             TORCH, "first call for this key came during CUDA graph capture: call once before capturing"))
     with _state.lock:
-        decision = _state.decisions.get(cache_key) or _Decision(*_choose_on_device(*cache_key))
+        decision = _state.decisions.get(cache_key) or _Decision(*_choose_on_device(*key_fields))
         if build and decision.config is not None and decision.runner is None:
-            decision = _build(decision, a.device.index, din, dout, layout)
+            decision = _build(decision, a.device.index, din, dout, layout, grouped=offs is not None)
         _state.decisions[cache_key] = decision
     return decision
 
@@ -188,9 +195,9 @@ def _layout(b: torch.Tensor) -> str | None:
     return None
 
 
-def _tensor_reason(a, b, out, layout, din, dout) -> str | None:
+def _tensor_reason(a, b, out, offs, layout, din, dout) -> str | None:
     """Why these tensors cannot go to a pool kernel, or None."""
-    if b.device != a.device or out is not None and out.device != a.device:
+    if any(t is not None and t.device != a.device for t in (b, out, offs)):
         return "operands on different devices"  # torch then raises its own error
     if not a.is_cuda:
         return f"tensors on {a.device.type}: the pool runs on CUDA devices"
@@ -202,6 +209,8 @@ def _tensor_reason(a, b, out, layout, din, dout) -> str | None:
         return f"b has strides {tuple(b.stride())}: neither a (K, N) nor a transposed (N, K) contiguous matrix"
     if not a.is_contiguous() or out is not None and not out.is_contiguous():
         return "a or out is not contiguous"
+    if offs is not None and (offs.dtype != torch.int32 or not offs.is_contiguous()):
+        return f"offs is {offs.dtype}{'' if offs.is_contiguous() else ', strided'}: the grouped kernel reads contiguous int32"
     for name, t in (("a", a), ("b", b), ("out", out)):
         if t is not None and t.data_ptr() % _ALIGN:
             return f"{name} is not {_ALIGN}-byte aligned (TMA needs {_ALIGN}-byte aligned operands)"
@@ -228,9 +237,11 @@ def _choose(key) -> tuple[Explanation, object]:
     from kernels.space import GemmConfig, check_problem
     from tuner.lookup import lookup
 
+    from kernels.grouped import MAX_GROUPS
+
     name, p = key.study_name(), key.problem
-    if p.groups > 1:
-        return Explanation(TORCH, "grouped GEMM runs torch._grouped_mm: no grouped kernel in the pool", key=name), None
+    if p.groups > MAX_GROUPS:
+        return Explanation(TORCH, f"{p.groups} groups: the grouped kernel takes at most {MAX_GROUPS}", key=name), None
     store = _store()
     if store is None:
         return Explanation(TORCH, f"no winners database at {_sqlite_path(_state.url)}", key=name), None
@@ -254,14 +265,15 @@ def _choose(key) -> tuple[Explanation, object]:
     return Explanation(KERNEL, f"tuned winner ({how})", fallback=False, **seen), cfg
 
 
-def _build(decision: _Decision, device_index: int, din: str, dout: str, layout: str) -> _Decision:
+def _build(decision: _Decision, device_index: int, din: str, dout: str, layout: str, grouped: bool) -> _Decision:
     """`decision` with its runner, or a torch decision saying why the kernel did not build."""
     try:
         from kernels.compile import get_kernel
 
         # get_kernel builds for the current device: make it the tensors' one.
         with torch.cuda.device(device_index):
-            runner = get_kernel(decision.config, dtype_in=din, dtype_out=dout, layout=layout)
+            runner = get_kernel(decision.config, dtype_in=din, dtype_out=dout, layout=layout,
+                                grouped="rows" if grouped else "")
     except Exception as exc:  # a kernel that fails to build must not break the caller: torch runs
         why = f"winner {decision.explanation.config_name} failed to build: {type(exc).__name__}: {exc}"
         return _Decision(replace(decision.explanation, path=TORCH, reason=why, fallback=True))
@@ -339,15 +351,15 @@ def _torch_gemm(a, b, out, offs):
 
 
 def _torch_product(a, b, offs, dtype_out):
-    def mm(x, y, **kw):
-        return torch.mm(x, y, **kw) if offs is None else torch._grouped_mm(x, y, offs=offs, **kw)
-
+    if offs is not None:
+        # torch's grouped product takes bf16 and writes its input dtype only.
+        return torch._grouped_mm(a, b, offs=offs).to(dtype_out)
     if dtype_out == a.dtype:
-        return mm(a, b)
+        return torch.mm(a, b)
     if a.is_cuda and dtype_out == torch.float32:
-        return mm(a, b, out_dtype=dtype_out)
+        return torch.mm(a, b, out_dtype=dtype_out)
     # Mixed dtypes torch has no kernel for (and every mixed case on the CPU): in fp32.
-    return mm(a.float(), b.float()).to(dtype_out)
+    return torch.mm(a.float(), b.float()).to(dtype_out)
 
 
 # ---------------------------------------------------------------- the op
