@@ -320,7 +320,10 @@ class TileScheduler:
                 lane = cute.arch.lane_idx()
                 total = self.grid.count
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.spec.depth)
-                nxt = Int32(0)
+                # A cluster launched past the work (a grid sized before the
+                # work is known on device) claims nothing: no role would
+                # take its publications off the ring.
+                nxt = self._idx
                 while nxt < total:
                     claimed = Int32(0)
                     if lane == 0:
