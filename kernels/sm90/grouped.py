@@ -268,7 +268,10 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))).shape, cutlass.Float32)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((tm, tn)))
+        # `thr_mma` is a warpgroup's slice (for the smem operands); the masked
+        # store needs this thread's own accumulator coordinates.
+        thr_acc = tiled_mma.get_slice(mma_tidx)
+        tCcC = thr_acc.partition_C(cute.make_identity_tensor((tm, tn)))
         epi = self._epilogue(tiled_mma, sC, acc, mma_tidx, warp_idx)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -286,7 +289,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             else:
                 # The group ends inside this tile: mask rows of the next group.
                 gC = cute.local_tile(cute.domain_offset((row0, 0, 0), c3), (tm, tn), (0, n, lc))
-                tCgC = thr_mma.partition_C(gC)
+                tCgC = thr_acc.partition_C(gC)
                 cols_left = n_total - n * tn
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, col = tCcC[i]
