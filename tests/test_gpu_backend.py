@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
+from kernels.grouped import MAX_GROUPS
 from kernels.space import GemmConfig
 from tuner import _gpu_worker as worker
 from tuner.carveout import check_sms, expected_slowdown
 from tuner.gpu import (
-    GROUPED_NOT_IN_POOL,
     GpuBackend,
     GpuUnavailable,
     WorkerLost,
@@ -188,9 +188,13 @@ def test_remeasure_keeps_order_and_refuses_what_cannot_run(fake_backend):
     assert fake_backend.remeasure(_key(), cfgs[:2])[0].detail["check"] is False
 
 
-def test_grouped_and_mismatched_keys_are_refused_without_the_worker(fake_backend):
+def test_grouped_limits_and_mismatched_keys_are_refused_without_the_worker(fake_backend):
+    too_many_groups = Key("sm90", DEVICE, Problem(1024, 512, 1024, groups=MAX_GROUPS + 1))
+    assert f"at most {MAX_GROUPS}" in fake_backend.measure(too_many_groups, GemmConfig()).error
+    mixed_k = Key("sm90", DEVICE, Problem(1024, 512, 1000, groups=2, group_k=(1000, 512)))
+    assert "multiples of 64" in fake_backend.measure(mixed_k, GemmConfig()).error
     grouped = Key("sm90", DEVICE, Problem(1024, 512, 1024, groups=4))
-    assert fake_backend.measure(grouped, GemmConfig()).error == GROUPED_NOT_IN_POOL
+    assert fake_backend.measure(grouped, GemmConfig()).ok
     other_gpu = Key("sm90", "Another GPU", Problem(256, 512, 1024))
     assert "Another GPU" in fake_backend.measure(other_gpu, GemmConfig()).error
     too_many = _key(carveout=132)
