@@ -30,12 +30,23 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.space import GemmConfig, InvalidConfig, check_operands
+from kernels.space import (
+    SPLIT_K_COUNTERS,
+    GemmConfig,
+    InvalidConfig,
+    check_operands,
+    split_k_partials_offset,
+    split_k_scratch_words,
+    split_k_tiles,
+)
 
 # Kernel class per arch, as "module:Class" so that importing this module stays
 # free of cutlass. Another arch registers itself with `register_kernel`.
 _KERNEL_CLASSES = {"sm90": "kernels.sm90.gemm:Sm90GemmKernel", "sm100": "kernels.sm100.gemm:Sm100GemmKernel"}
 _TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
+# Archs whose kernels reduce split-K slices themselves, in a scratch buffer;
+# the others write fp32 partials (S, M, N) that the runner sums.
+_SPLIT_K_IN_KERNEL = ("sm90",)
 # Grouped kernel class per arch (`kernels.grouped` forms: "rows", "k").
 _GROUPED_CLASSES = {"sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel"}
 _EXPORT_NAME = "gemm"
@@ -79,7 +90,12 @@ class Variant:
     @property
     def workspace(self) -> bool:
         """Split-K writes fp32 partials (S, M, N) instead of `out`."""
-        return self.cfg.split_k > 1
+        return self.cfg.split_k > 1 and self.cfg.arch not in _SPLIT_K_IN_KERNEL
+
+    @property
+    def scratch(self) -> bool:
+        """Split-K reduces in the kernel through a per-problem scratch buffer."""
+        return self.cfg.split_k > 1 and self.cfg.arch in _SPLIT_K_IN_KERNEL
 
     def key(self) -> str:
         key = f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"
@@ -117,7 +133,10 @@ def _fake_args(v: Variant):
         return (a, *_fake_grouped(v, row_major, dtypes, m, n, k))
     b = row_major(dtypes[v.dtype_in], (n, k) if v.layout == "tn" else (k, n))
     out = row_major(cutlass.Float32, (s, m, n)) if v.workspace else row_major(dtypes[v.dtype_out], (m, n))
-    sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
+    if v.scratch:
+        sched_buf = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=16)
+    else:
+        sched_buf = make_fake_compact_tensor(cutlass.Int32, (SPLIT_K_COUNTERS,), assumed_align=4)
     return a, b, out, sched_buf, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
@@ -344,9 +363,47 @@ def _sched_buf(device_index: int):
     stream = torch._C._cuda_getCurrentRawStream(device_index)
     buf = _sched_bufs.get((device_index, stream))
     if buf is None:
-        buf = torch.zeros(2, dtype=torch.int32, device=f"cuda:{device_index}")
+        buf = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=f"cuda:{device_index}")
         _sched_bufs[(device_index, stream)] = buf
     return buf
+
+
+class _SplitKScratch:
+    """The split-K scratch of one stream, shared by every split-K launch in it.
+
+    Kernels leave the counters and their tile semaphores at zero, but a
+    problem with more tiles puts its semaphores where an earlier one parked
+    partials: `_zero_end` tracks the prefix still known to be zero, and a
+    launch that needs more is preceded by clearing the difference.
+    """
+
+    def __init__(self):
+        self.buf = None
+        self._zero_end = 0
+
+    def for_problem(self, device_index: int, cfg: GemmConfig, m: int, n: int):
+        import torch
+
+        words = split_k_scratch_words(cfg, m, n)
+        if self.buf is None or self.buf.numel() < words:
+            self.buf = torch.zeros(words, dtype=torch.int32, device=f"cuda:{device_index}")
+            self._zero_end = words
+        tiles = split_k_tiles(cfg, m, n)
+        semaphores_end = SPLIT_K_COUNTERS + tiles
+        if self._zero_end < semaphores_end:
+            self.buf[self._zero_end:semaphores_end].zero_()
+        self._zero_end = min(max(self._zero_end, semaphores_end), split_k_partials_offset(tiles))
+        return self.buf
+
+
+_split_k_scratch: dict[tuple[int, int], _SplitKScratch] = {}
+
+
+def _scratch_buf(device_index: int, cfg: GemmConfig, m: int, n: int):
+    import torch
+
+    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
+    return _split_k_scratch.setdefault(key, _SplitKScratch()).for_problem(device_index, cfg, m, n)
 
 
 class _Runner:
@@ -355,11 +412,16 @@ class _Runner:
     def __init__(self, fn, v: Variant, device_index: int):
         self._fn = fn
         self._split_k = v.cfg.split_k
+        self._scratch = v.scratch
         self._device = device_index
         self._max_clusters = _clusters_per_wave(device_index, v.cfg.cluster_size)
         self.variant = v
 
     def __call__(self, a, b, out) -> None:
+        if self._scratch:
+            scratch = _scratch_buf(self._device, self.variant.cfg, out.shape[0], out.shape[1])
+            self._fn(a, b, out, scratch, self._max_clusters)
+            return
         buf = _sched_buf(self._device)
         if self._split_k == 1:
             self._fn(a, b, out, buf, self._max_clusters)

@@ -47,6 +47,11 @@ TMEM_COLUMNS = 512
 # Accumulator registers one consumer thread may hold on sm90 (fp32 values);
 # beyond this the consumer warpgroups spill even with setmaxnreg 240.
 SM90_MAX_ACC_PER_THREAD = 128
+# In-kernel split-K (sm90) works in an int32 scratch buffer: the dynamic
+# scheduler's two counters, one arrival semaphore per CTA tile, then, from a
+# 128-byte boundary, one fp32 partial tile per (CTA tile, K slice).
+SPLIT_K_COUNTERS = 2
+_SPLIT_K_PARTIALS_ALIGN = 32
 # Largest cluster: 8 CTAs is portable, 16 needs the non-portable attribute.
 MAX_CLUSTER = {"sm90": 4, "sm100": 16}
 
@@ -190,6 +195,28 @@ def smem_bytes(cfg: GemmConfig, dtype_in: str = "bf16") -> int:
     else:
         epilogue = cfg.cta_tile_m * EPI_SUBTILE_N * DTYPE_BYTES["fp32"] * EPI_BUFFERS
     return cfg.stages * stage + epilogue + SMEM_RESERVED
+
+
+def split_k_partials_offset(tiles):
+    """Int32 words of the split-K scratch before its partials (ints or DSL integers)."""
+    return (SPLIT_K_COUNTERS + tiles + _SPLIT_K_PARTIALS_ALIGN - 1) // _SPLIT_K_PARTIALS_ALIGN * _SPLIT_K_PARTIALS_ALIGN
+
+
+def split_k_tiles(cfg: GemmConfig, m: int, n: int) -> int:
+    """CTA tiles of an M x N output, padded to whole clusters: the split-K semaphores."""
+    tiles_m = _cdiv(_cdiv(m, cfg.tile_m), cfg.cluster_m) * cfg.cluster_m
+    tiles_n = _cdiv(_cdiv(n, cfg.tile_n), cfg.cluster_n) * cfg.cluster_n
+    return tiles_m * tiles_n
+
+
+def split_k_scratch_words(cfg: GemmConfig, m: int, n: int) -> int:
+    """Int32 words of the in-kernel split-K scratch for an M x N output."""
+    tiles = split_k_tiles(cfg, m, n)
+    return split_k_partials_offset(tiles) + tiles * cfg.split_k * cfg.tile_m * cfg.tile_n
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def knobs(arch: str) -> dict[str, tuple]:

@@ -58,6 +58,9 @@ def test_offline_ptx(offline, i):
     assert ".target sm_90a" in k.ptx
     assert "wgmma.mma_async" in k.ptx
     assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler == DYN)
+    # Split-K slices count themselves on a tile semaphore and reduce in the kernel.
+    assert ("atom.global.acq_rel.add" in k.ptx) == (v.cfg.scheduler == DYN or v.cfg.split_k > 1)
+    assert ("fence.acq_rel.gpu" in k.ptx) == (v.cfg.split_k > 1)
     # Only a cluster's leader claims; others receive over DSMEM.
     assert ("st.async" in k.ptx) == (v.cfg.scheduler == DYN and v.cfg.cluster_size > 1)
     assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
@@ -85,10 +88,14 @@ GPU_CONFIGS = [
 SPLIT_K_CONFIGS = [
     GemmConfig(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128),
     GemmConfig(scheduler=DYN, split_k=4, tile_m=128, tile_n=64, sched_depth=2),
+    # More CTAs than fit at once: no slice may wait for another.
+    GemmConfig(scheduler=SINGLE, split_k=8, tile_m=64, tile_n=64),
+    GemmConfig(scheduler=STATIC, split_k=2, tile_m=128, tile_n=192, cluster_m=2),
 ]
 # Sizes off every tile multiple, a single row, a single k-block, N = 8.
 SHAPES = [(1, 256, 4096), (300, 200, 136), (1000, 1000, 1000), (129, 8, 520), (77, 264, 8), (2048, 1536, 1024)]
-SPLIT_K_SHAPES = [(1, 256, 4096), (300, 200, 1024), (129, 8, 2048)]
+# Run in a row on one scratch buffer: a semaphore left set would break the next.
+SPLIT_K_SHAPES = [(1, 256, 4096), (300, 200, 1024), (129, 8, 2048), (1000, 3000, 4096), (300, 200, 1024)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -168,8 +175,12 @@ def test_dynamic_back_to_back_launches_reset_the_counter():
 
 
 @pytest.mark.gpu
-def test_dynamic_under_cuda_graph_replay():
-    cfg = GemmConfig(scheduler=DYN, sched_depth=1, swizzle=2)
+@pytest.mark.parametrize(
+    "cfg",
+    [GemmConfig(scheduler=DYN, sched_depth=1, swizzle=2), GemmConfig(scheduler=DYN, split_k=2, tile_n=64)],
+    ids=lambda c: c.name(),
+)
+def test_dynamic_under_cuda_graph_replay(cfg):
     runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="nn")
     a, b, ref = _operands(3000, 2056, 256, "nn")
     a2, b2, ref2 = _operands(500, 4096, 128, "nn", seed=1)

@@ -11,10 +11,13 @@ and the epilogue, which goes registers -> smem -> global by TMA stores in
 (tile_m x 32) sub-tiles. Every role walks the tiles given by
 `kernels.schedulers`.
 
-Split-K is a batched GEMM over K slices: with S = split_k the kernel sees A
-as (M, K/S, S), B as (N, K/S, S) and writes fp32 partials into a (S, M, N)
-workspace that the caller sums. M, N and K are symbolic: one compile serves
-every problem size of a (config, dtypes, layout).
+Split-K walks K slices as batches: with S = split_k the kernel sees A as
+(M, K/S, S) and B as (N, K/S, S), and reduces in the kernel. Every slice
+parks its fp32 accumulators in a scratch buffer and counts itself on its
+tile's semaphore; the slice that arrives last adds the others' partials and
+stores the tile, so no separate reduction runs and no slice ever waits on
+another (no co-residency is assumed). M, N and K are symbolic: one compile
+serves every problem size of a (config, dtypes, layout).
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32, Int64, const_expr
+from cutlass import Boolean, Int32, Int64, const_expr
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
-from kernels.space import EPI_BUFFERS, EPI_SUBTILE_N, TILE_K, GemmConfig, InvalidConfig
+from kernels.space import (
+    EPI_BUFFERS,
+    EPI_SUBTILE_N,
+    SPLIT_K_COUNTERS,
+    TILE_K,
+    GemmConfig,
+    InvalidConfig,
+    split_k_partials_offset,
+)
 
 _WARPS_PER_GROUP = 4
 _THREADS_PER_GROUP = 128
@@ -47,10 +58,11 @@ class Sm90GemmKernel:
     """One kernel variant of the sm90 pool; `cfg` fixes everything but the sizes.
 
     ``__call__(a, b, out, sched_buf, max_clusters, stream)`` takes 2-D
-    row-major A, B (layout per `layout`), `out` (M, N) or, with split-K, the
-    fp32 workspace (S, M, N); `sched_buf` is the int32[2] buffer of the
-    dynamic scheduler (unused by the others) and `max_clusters` the clusters
-    the device runs at once.
+    row-major A, B (layout per `layout`) and `out` (M, N); `sched_buf` is the
+    int32[2] buffer of the dynamic scheduler (unused by the others) or, with
+    split-K, the scratch laid out by `kernels.space.split_k_scratch_words`
+    (those counters first), and `max_clusters` the clusters the device runs
+    at once.
     """
 
     def __init__(self, cfg: GemmConfig, layout: str = "tn"):
@@ -82,7 +94,7 @@ class Sm90GemmKernel:
     # ------------------------------------------------------------------ host side
 
     def _views(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
-        """(m, k, l), (n, k, l) and (m, n, l) views; l is the K slice."""
+        """(m, k, l), (n, k, l) views, l the K slice, and the (m, n, 1) output."""
         s = self.split_k
         m, k = a.shape
         k_slice = k
@@ -97,10 +109,7 @@ class Sm90GemmKernel:
             b3 = cute.make_tensor(
                 b.iterator, cute.make_layout((n, k_slice, s), stride=(1, b.stride[0], b.stride[0] * k_slice))
             )
-        if const_expr(s > 1):
-            c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, s), stride=(c.stride[1], 1, c.stride[0])))
-        else:
-            c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, m * c.stride[0])))
+        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, m * c.stride[0])))
         return a3, b3, c3
 
     def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> None:
@@ -171,13 +180,14 @@ class Sm90GemmKernel:
             cute.slice_(self.c_smem, (None, None, 0)),
             self.epi_tile,
         )
-        grid = TileGrid.of(c3.shape, self.tile_mn, self.cluster_mn)
+        grid = TileGrid.of(self._work_shape(c3), self.tile_mn, self.cluster_mn)
 
         @cute.struct
         class SharedStorage:
             load_bars: cute.struct.MemRange[Int64, 2 * self.stages]
             ring_bars: cute.struct.MemRange[Int64, self.ring_words[0]]
             ring_slots: cute.struct.Align[cute.struct.MemRange[Int32, self.ring_words[1]], 16]
+            arrivals: cute.struct.MemRange[Int32, 1]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], _SMEM_ALIGN]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], _SMEM_ALIGN]
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], _SMEM_ALIGN]
@@ -192,6 +202,10 @@ class Sm90GemmKernel:
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def _work_shape(self, c3: cute.Tensor) -> tuple:
+        """(M, N, batches) the scheduler walks: K slices are batches of one output."""
+        return (c3.shape[0], c3.shape[1], self.split_k)
 
     # ------------------------------------------------------------------ device side
 
@@ -237,7 +251,7 @@ class Sm90GemmKernel:
         gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
         gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
         k_tiles = cute.size(gA, mode=[3])
-        grid = TileGrid.of(mC.shape, self.tile_mn, self.cluster_mn)
+        grid = TileGrid.of(self._work_shape(mC), self.tile_mn, self.cluster_mn)
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a,
@@ -283,11 +297,15 @@ class Sm90GemmKernel:
             self._consume(
                 tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
                 TileScheduler.create(self.sched, grid, ring),
+                sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)),
             )
 
     @cute.jit
-    def _consume(self, tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx, sched):
-        """Consumer warpgroups: WGMMA over the ring, then the TMA-store epilogue."""
+    def _consume(
+        self, tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx, sched,
+        sched_buf, arrivals,
+    ):
+        """Consumer warpgroups: WGMMA over the ring, the split-K fixup, the TMA-store epilogue."""
         mma_tidx = tidx - _THREADS_PER_GROUP
         thr_mma = tiled_mma.get_slice(
             cute.make_layout(self.mma_groups, stride=_THREADS_PER_GROUP)(group_idx - 1)
@@ -300,14 +318,50 @@ class Sm90GemmKernel:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         subtiles_done = Int32(0)
+        scratch = _SplitKScratch.create(sched_buf, arrivals, sched.grid, self.cluster_mn) if self.split_k > 1 else None
 
         work = sched.initial_work()
         while work.is_valid:
             m, n, l = work.tile
             read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
-            subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
+            if const_expr(self.split_k > 1):
+                if self._reduce_slices(scratch, acc, scratch.tile_id(m, n), l, mma_tidx, epi.bar):
+                    subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, 0)], subtiles_done)
+            else:
+                subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
             work = sched.advance()
         epi.store_pipe.producer_tail()
+
+    @cute.jit
+    def _reduce_slices(self, scratch: "_SplitKScratch", acc, tile_id, l, mma_tidx, bar) -> Boolean:
+        """Split-K fixup of one tile: whether `acc` now holds the sum over every K slice.
+
+        Each slice parks its partial and arrives on the tile's semaphore; only
+        the last arrival reads the others (in a thread-major order that makes
+        every access coalesced) and resets the semaphore for the next launch.
+        """
+        values = cute.size(acc)
+        own = scratch.partial(tile_id, l, self.split_k, values, self.mma_threads)
+        for i in cutlass.range_constexpr(values):
+            own[i, mma_tidx] = acc[i]
+        # The partial is visible device-wide before the arrival that counts it.
+        cute.arch.fence_acq_rel_gpu()
+        bar.arrive_and_wait()
+        if mma_tidx == 0:
+            earlier = cute.arch.atomic_add(scratch.semaphore(tile_id), Int32(1), sem="acq_rel", scope="gpu")
+            scratch.arrivals[0] = earlier
+            if earlier == self.split_k - 1:
+                scratch.sems[tile_id] = Int32(0)
+        bar.arrive_and_wait()
+        last = scratch.arrivals[0] == self.split_k - 1
+        if last:
+            cute.arch.fence_acq_rel_gpu()
+            for s in cutlass.range(self.split_k):
+                if s != l:
+                    other = scratch.partial(tile_id, s, self.split_k, values, self.mma_threads)
+                    for i in cutlass.range_constexpr(values):
+                        acc[i] = acc[i] + other[i, mma_tidx]
+        return last
 
     # ------------------------------------------------------------------ pieces shared with the grouped kernels
 
@@ -418,3 +472,39 @@ class Sm90GemmKernel:
 
 class _Epilogue:
     """Per-thread epilogue state built once by `Sm90GemmKernel._epilogue`."""
+
+
+class _SplitKScratch:
+    """The split-K views of the kernel's int32 scratch (see `kernels.space.split_k_scratch_words`)."""
+
+    def __init__(self, sems: cute.Tensor, partials: cute.Pointer, arrivals: cute.Tensor, tiles_n: Int32):
+        self.sems = sems
+        self.partials = partials
+        self.arrivals = arrivals
+        self.tiles_n = tiles_n
+
+    @staticmethod
+    def create(buf: cute.Tensor, arrivals: cute.Tensor, grid: TileGrid, cluster_mn: tuple[int, int]):
+        tiles_n = grid.clusters_n * cluster_mn[1]
+        tiles = grid.clusters_m * cluster_mn[0] * tiles_n
+        sems = cute.make_tensor(buf.iterator + SPLIT_K_COUNTERS, cute.make_layout(tiles))
+        partials = cute.recast_ptr(buf.iterator + split_k_partials_offset(tiles), dtype=cutlass.Float32)
+        return _SplitKScratch(sems, partials, arrivals, tiles_n)
+
+    # Carried through the consumers' tile loop like any DSL value.
+    def __extract_mlir_values__(self) -> list:
+        return cutlass.extract_mlir_values([self.sems, self.partials, self.arrivals, self.tiles_n])
+
+    def __new_from_mlir_values__(self, values: list) -> "_SplitKScratch":
+        return _SplitKScratch(*cutlass.new_from_mlir_values([self.sems, self.partials, self.arrivals, self.tiles_n], values))
+
+    def tile_id(self, m, n) -> Int32:
+        return m * self.tiles_n + n
+
+    def semaphore(self, tile_id) -> cute.Pointer:
+        return self.sems.iterator + tile_id
+
+    def partial(self, tile_id, l, split_k: int, values: int, threads: int) -> cute.Tensor:
+        """(value, thread) fp32 partial of K slice `l` of a tile."""
+        start = (Int64(tile_id) * split_k + l) * (values * threads)
+        return cute.make_tensor(self.partials + start, cute.make_layout((values, threads), stride=(threads, 1)))
