@@ -1,0 +1,102 @@
+"""Time a fixed set of sm90 pool variants against cuBLAS on the Gemma 3 27B keys.
+
+    python -m bench.sm90_variants [--m 128,512,2048,8192] [--out FILE]
+
+No search: every key times the same hand-picked variants (whole-K tiles and
+in-kernel split-K), interleaved with cuBLAS through `GpuBackend.remeasure`
+(CUDA graphs over L2-cold rotated operands, medians, correctness checked on
+first use). Prints one markdown row per key: cuBLAS, the best whole-K
+variant, the best split-K variant and the best of all, with the geometric
+means of cuBLAS / pool over the keys, and writes every timing as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.kernels_sm90 import ARCH, GEMMA3_27B, GEMMA3_M, geomean
+from kernels.space import GemmConfig, InvalidConfig, check_problem
+from tuner.key import Key, Problem
+
+_STATIC, _DYNAMIC = "static_persistent", "dynamic_persistent"
+WHOLE_K = (
+    GemmConfig(scheduler=_STATIC, tile_m=128, tile_n=192, stages=4),
+    GemmConfig(scheduler=_STATIC, tile_m=128, tile_n=256, stages=4),
+    GemmConfig(scheduler=_DYNAMIC, tile_m=128, tile_n=256, stages=4, cluster_m=2),
+)
+SPLIT_K = tuple(
+    GemmConfig(scheduler=_STATIC, tile_m=128, tile_n=tn, stages=4 if tn > 128 else 6, split_k=s)
+    for tn, s in ((192, 2), (256, 2), (128, 2), (192, 4), (256, 4))
+)
+# Above this M every key has tiles enough for the whole device without splitting K.
+SPLIT_K_MAX_M = 2048
+
+
+def _runs(cfg: GemmConfig, p: Problem) -> bool:
+    if cfg.split_k > 1 and p.m > SPLIT_K_MAX_M:
+        return False
+    try:
+        check_problem(cfg, p.m, p.n, p.k)
+    except InvalidConfig:
+        return False
+    return True
+
+
+def run(ms: list[int], out: Path) -> list[dict]:
+    from kernels.compile import compile_many
+    from tuner.gpu import GpuBackend
+
+    compile_many([*WHOLE_K, *SPLIT_K], workers=16)
+    records = []
+    with GpuBackend(ARCH) as backend:
+        for m in ms:
+            for name, (n, k) in GEMMA3_27B.items():
+                p = Problem(m, n, k)
+                cfgs = [c for c in (*WHOLE_K, *SPLIT_K) if _runs(c, p)]
+                got = backend.remeasure(Key(ARCH, backend.device_name, p), [None, *cfgs])
+                times = {c.name(): g.ms for c, g in zip(cfgs, got[1:]) if g.ok}
+                errors = {c.name(): g.error for c, g in zip(cfgs, got[1:]) if not g.ok}
+                rec = {"name": name, "M": m, "N": n, "K": k, "cublas_ms": got[0].ms, "pool_ms": times,
+                       "errors": errors, "device": backend.device_name}
+                records.append(rec)
+                print(_row(rec), file=sys.stderr, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(markdown(records))
+    return records
+
+
+def _best(rec: dict, split: bool | None) -> float | None:
+    times = [ms for cfg, ms in rec["pool_ms"].items() if split is None or ("-k" in cfg) == split]
+    return min(times, default=None)
+
+
+def _row(rec: dict) -> str:
+    cells = [rec["name"], rec["M"], rec["N"], rec["K"], rec["cublas_ms"],
+             _best(rec, False), _best(rec, True), _best(rec, None)]
+    return "| " + " | ".join("-" if c is None else f"{c:.4f}" if isinstance(c, float) else str(c)
+                             for c in cells) + " |"
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["| key | M | N | K | cuBLAS ms | whole-K ms | split-K ms | pool ms |", "|" + "---|" * 8]
+    lines += [_row(r) for r in records]
+    for label, split in (("whole-K", False), ("pool", None)):
+        ratios = [r["cublas_ms"] / b for r in records if (b := _best(r, split))]
+        lines.append(f"geometric mean cuBLAS/{label} {geomean(ratios):.3f} over {len(ratios)} keys")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", default=",".join(map(str, GEMMA3_M)), help="Comma-separated M values.")
+    parser.add_argument("--out", default="sm90-variants.json")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    run([int(m) for m in args.m.split(",")], Path(args.out))
