@@ -13,7 +13,7 @@ import pytest
 from kernels import space
 from kernels.space import DTYPE_BYTES, GemmConfig, InvalidConfig
 from tuner.key import Key, Problem
-from tuner.model import B200, DEVICES, H100, ModelBackend, _greedy, baseline_ms, predict_ms
+from tuner.model import B200, DEVICES, H100, MODEL_VERSION, ModelBackend, _greedy, baseline_ms, predict_ms
 
 SEED000_K = (1024, 4096, 8192, 16384, 32768)
 
@@ -233,7 +233,7 @@ def test_unrunnable_problems_raise():
 def test_backend_measures_baselines_and_refuses():
     backend = ModelBackend("sm100")
     assert (backend.name, backend.arch, backend.device_name) == ("model", "sm100", "B200-model")
-    assert backend.versions() == {"model": "1"}
+    assert backend.versions() == {"model": MODEL_VERSION}
     key = Key("sm100", backend.device_name, seed000(8192))
     good = backend.measure(key, sm100("clc"))
     assert good.ok and good.ms > 0

@@ -34,7 +34,7 @@ def test_model_picks_are_distinct_runnable_shapes_best_first():
         key = Key(arch, "dev", Problem(512, 5376, 21504))
         picks = model_picks(key, count=5)
         assert len(picks) == 5
-        shapes = {(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, c.split_k, c.cta_group) for c in picks}
+        shapes = {(c.tile_m, c.tile_n, c.split_k, c.cta_group) for c in picks}
         assert len(shapes) == 5
         times = [predict_ms(key, c) for c in picks]
         assert times == sorted(times)

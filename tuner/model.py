@@ -57,7 +57,7 @@ from kernels.space import (
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
 
-MODEL_VERSION = "1"
+MODEL_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -564,7 +564,15 @@ def _drain_phantoms(free: np.ndarray, phantoms: int, real: int, cfg: GemmConfig,
 
 
 def _reduction_us(p: Problem, cfg: GemmConfig, dev: DeviceModel) -> float:
-    """The split-K pass: read the fp32 partials, write the output once."""
+    """The split-K reduction.
+
+    sm90 reduces in the kernel: every slice but the last parks its fp32
+    partial and the last one reads them back, with no extra launch. sm100
+    runs a separate pass that reads every partial and writes the output.
+    """
+    if cfg.arch == "sm90":
+        moved = 2 * (cfg.split_k - 1) * p.m * p.n * 4
+        return moved / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
     moved = cfg.split_k * p.m * p.n * 4 + p.m * p.n * DTYPE_BYTES[p.dtype_out]
     return dev.launch_us + moved / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
 

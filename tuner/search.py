@@ -297,7 +297,7 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
 
 def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     """The `count` configs the analytic model predicts fastest for `key`, best
-    first, one per tile / cluster / split-K shape: the model ranks shapes
+    first, one per tile and split-K shape (with its best cluster): the model ranks shapes
     better than it ranks schedulers, and the search tries the best measured
     shape under every scheduler anyway."""
     from tuner.model import predict_ms
@@ -327,7 +327,7 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     shapes: set[tuple] = set()
     out = []
     for _, cfg in scored:
-        shape = (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.split_k, cfg.cta_group)
+        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group)
         if shape not in shapes and len(out) < count:
             shapes.add(shape)
             out.append(cfg)
