@@ -272,3 +272,21 @@ def test_grouped_winner_runs_the_grouped_kernel(db):
         got = gemm(a, w.mT, offs=offs)
     want = torch.cat([a[s:e].float() @ w[g].float().t() for g, (s, e) in enumerate(zip(bounds, bounds[1:]))])
     assert _rel_err(got, want) < 2e-2
+
+
+def test_call_signature_separates_everything_the_rules_read():
+    from tuner.dispatch import _signature
+
+    x = torch.empty(64, 128, dtype=torch.bfloat16)
+    w = torch.empty(256, 128, dtype=torch.bfloat16)
+    b_nn = torch.empty(128, 256, dtype=torch.bfloat16)
+    base = _signature(x, w.t(), None, None)
+    assert base == _signature(torch.empty_like(x), torch.empty_like(w).t(), None, None)
+    others = [
+        _signature(x, b_nn, None, None),                       # same shape, other layout
+        _signature(x.half(), w.t(), None, None),                # dtype
+        _signature(x, w.t(), torch.empty(64, 256, dtype=torch.float32), None),  # output dtype
+        _signature(x[:, :64], w[:, :64].t(), None, None),       # shape
+        _signature(torch.empty(128, 64, dtype=torch.bfloat16).t(), w.t(), None, None),  # a strides
+    ]
+    assert base not in others and len(set(others)) == len(others)
