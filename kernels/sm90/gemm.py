@@ -159,6 +159,21 @@ class Sm90GemmKernel:
             op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=mcast
         )
 
+    def _tma_atoms(self, a3: cute.Tensor, b3: cute.Tensor, c3: cute.Tensor) -> tuple:
+        """Derive the layouts for these operands, then the TMA atoms and
+        tensors of A and B (loads, multicast in a cluster) and C (stores)."""
+        self._setup(a3, b3, c3)
+        tm, tn, tk = self.tile_mnk
+        tma_a, ta = self._tma_load(a3, self.a_smem, (tm, tk), self.a_mcast)
+        tma_b, tb = self._tma_load(b3, self.b_smem, (tn, tk), self.b_mcast)
+        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            c3,
+            cute.slice_(self.c_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+        return tma_a, ta, tma_b, tb, tma_c, tc
+
     @cute.jit
     def __call__(
         self,
@@ -170,16 +185,7 @@ class Sm90GemmKernel:
         stream,
     ):
         a3, b3, c3 = self._views(a, b, c)
-        self._setup(a3, b3, c3)
-        tm, tn, tk = self.tile_mnk
-        tma_a, ta = self._tma_load(a3, self.a_smem, (tm, tk), self.a_mcast)
-        tma_b, tb = self._tma_load(b3, self.b_smem, (tn, tk), self.b_mcast)
-        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-            c3,
-            cute.slice_(self.c_smem, (None, None, 0)),
-            self.epi_tile,
-        )
+        tma_a, ta, tma_b, tb, tma_c, tc = self._tma_atoms(a3, b3, c3)
         grid = TileGrid.of(self._work_shape(c3), self.tile_mn, self.cluster_mn)
 
         @cute.struct
@@ -230,21 +236,8 @@ class Sm90GemmKernel:
             for atom in (tma_a, tma_b, tma_c):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
-        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster_coord = cluster_layout.get_flat_coord(rank)
-        # A is shared by the CTAs of a cluster row (same m), B by a column.
-        a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1) if self.a_mcast > 1 else 0
-        b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0) if self.b_mcast > 1 else 0
-
-        smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        load_pipe, ring = self._pipelines(storage, a_smem, b_smem, cluster_layout)
-        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
-
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+        (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
+         sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
 
         # (bM, bK, tiles_m, tiles_k, l) and friends
         gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
@@ -364,6 +357,27 @@ class Sm90GemmKernel:
         return last
 
     # ------------------------------------------------------------------ pieces shared with the grouped kernels
+
+    def _cta_start(self, a_smem, b_smem, c_smem) -> tuple:
+        """What every sm90 kernel of the pool sets up first: the CTA's place in
+        its cluster and multicast masks, shared storage, the load pipeline and
+        the scheduler ring, and the A, B and C staging tensors."""
+        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cluster_layout.get_flat_coord(rank)
+        # A is shared by the CTAs of a cluster row (same m), B by a column.
+        a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1) if self.a_mcast > 1 else 0
+        b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0) if self.b_mcast > 1 else 0
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        load_pipe, ring = self._pipelines(storage, a_smem, b_smem, cluster_layout)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+        return cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring, sA, sB, sC
 
     def _pipelines(self, storage, a_smem, b_smem, cluster_layout):
         """(TMA load pipeline, claim ring or None); barrier init is deferred to the cluster sync."""

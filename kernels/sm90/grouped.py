@@ -25,8 +25,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64, const_expr
-from cutlass.memory import SmemAllocator
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.pipeline import pipeline_init_wait
 
 from kernels.group_table import GroupedTileScheduler, GroupTable
 from kernels.grouped import FORMS, MAX_GROUPS
@@ -98,16 +97,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         stream,
     ):
         a3, b3, c3 = self._grouped_views(a, b, c)
-        self._setup(a3, b3, c3)
-        tm, tn, tk = self.tile_mnk
-        tma_a, ta = self._tma_load(a3, self.a_smem, (tm, tk), self.a_mcast)
-        tma_b, tb = self._tma_load(b3, self.b_smem, (tn, tk), self.b_mcast)
-        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-            c3,
-            cute.slice_(self.c_smem, (None, None, 0)),
-            self.epi_tile,
-        )
+        tma_a, ta, tma_b, tb, tma_c, tc = self._tma_atoms(a3, b3, c3)
+        tm, tn, _ = self.tile_mnk
         # Upper bound of the work: the launch must not depend on offs (no sync).
         cluster_rows = tm * self.cluster_mn[0]
         clusters_n = (c3.shape[1] + tn * self.cluster_mn[1] - 1) // (tn * self.cluster_mn[1])
@@ -168,20 +159,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             for atom in (tma_a, tma_b, tma_c):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
-        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster_coord = cluster_layout.get_flat_coord(rank)
-        a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1) if self.a_mcast > 1 else 0
-        b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0) if self.b_mcast > 1 else 0
-
-        smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        load_pipe, ring = self._pipelines(storage, a_smem, b_smem, cluster_layout)
-        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
-
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+        (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
+         sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
 
         tm, tn, tk = self.tile_mnk
         m_total, n_total, _ = c3.shape
