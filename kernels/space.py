@@ -215,6 +215,9 @@ def split_k_scratch_words(cfg: GemmConfig, m: int, n: int) -> int:
     return split_k_partials_offset(tiles) + tiles * cfg.split_k * cfg.tile_m * cfg.tile_n
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -303,6 +306,12 @@ def check_problem(
             raise InvalidConfig(f"K={k} does not split into {cfg.split_k} 16-byte aligned slices")
         if k // cfg.split_k < TILE_K:
             raise InvalidConfig(f"K={k} split {cfg.split_k} ways leaves slices under one k-block")
+        # sm90 parks the slices' partials in an int32-indexed scratch buffer.
+        if cfg.arch == "sm90" and split_k_scratch_words(cfg, m, n) > _INT32_MAX:
+            raise InvalidConfig(
+                f"split-K scratch of {split_k_scratch_words(cfg, m, n)} words for {m}x{n} "
+                f"exceeds int32 indexing; use fewer slices or larger tiles"
+            )
 
 
 def check_operands(

@@ -92,6 +92,15 @@ def test_check_problem(problem, reason):
         space.check_problem(cfg, **problem)
 
 
+def test_split_k_scratch_must_stay_int32_indexable():
+    # Gemma 3 27B gate+up at M 8192: 8 slices of 128x64 tiles need 2.8e9 words.
+    big = GemmConfig(split_k=8, tile_m=128, tile_n=64, cluster_m=2)
+    with pytest.raises(InvalidConfig, match="int32"):
+        space.check_problem(big, 8192, 43008, 5376)
+    space.check_problem(GemmConfig(split_k=2, tile_m=128, tile_n=64), 8192, 43008, 5376)
+    space.check_problem(GemmConfig(arch="sm100", split_k=8, tile_m=128, tile_n=64), 8192, 43008, 5376)
+
+
 def test_sample_draws_valid_configs_of_every_scheduler():
     rng = random.Random(0)
     drawn = [space.sample("sm100", rng) for _ in range(400)]
