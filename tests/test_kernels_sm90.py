@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
 
 from kernels import compile as kc
+from kernels import space
 from kernels.space import GemmConfig, check_problem
 
 DYN = "dynamic_persistent"
@@ -54,7 +56,22 @@ def offline():
 
 @pytest.mark.parametrize("i", range(len(OFFLINE)), ids=[v.key() for v in OFFLINE])
 def test_offline_ptx(offline, i):
-    v, k = OFFLINE[i], offline[i]
+    _check_ptx(OFFLINE[i], offline[i])
+
+
+@pytest.mark.slow
+def test_configs_the_space_draws_compile_and_pass_the_checks():
+    rng = random.Random(90)
+    variants = [
+        kc.Variant(space.sample("sm90", rng), rng.choice(space.DTYPES_IN), rng.choice(space.DTYPES_OUT),
+                   rng.choice(space.LAYOUTS))
+        for _ in range(24)
+    ]
+    for v, k in zip(variants, kc.compile_offline(variants, workers=os.cpu_count() or 1), strict=True):
+        _check_ptx(v, k)
+
+
+def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     assert ".target sm_90a" in k.ptx
     assert "wgmma.mma_async" in k.ptx
     assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler == DYN)
