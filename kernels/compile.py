@@ -48,7 +48,10 @@ _TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
 # the others write fp32 partials (S, M, N) that the runner sums.
 _SPLIT_K_IN_KERNEL = ("sm90",)
 # Grouped kernel class per arch (`kernels.grouped` forms: "rows", "k").
-_GROUPED_CLASSES = {"sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel"}
+_GROUPED_CLASSES = {
+    "sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel",
+    "sm100": "kernels.sm100.grouped:Sm100GroupedGemmKernel",
+}
 _EXPORT_NAME = "gemm"
 _CACHE_ENV = "KERNELS_CACHE_DIR"
 # ELF .nv.info attributes: registers per thread, stack frame bytes (spills).

@@ -1,0 +1,408 @@
+"""Grouped GEMM for Blackwell (sm_100a), MoE "rows" form, on `Sm100GemmKernel`'s warp roles.
+
+A (total_M, K) is split into G groups by ``offs`` (int32, cumulative group
+ends on device, as ``torch._grouped_mm``); group g multiplies rows
+``[offs[g-1], offs[g])`` by B[g] ((G, N, K) "tn" or (G, K, N) "nn") into the
+same rows of out (total_M, N).
+
+The launch depends on shapes only (no host sync, CUDA-graph safe): the grid
+is sized for the worst case, every tile of total_M rows plus one partial
+tile per group boundary, and one warp turns ``offs`` into the shared-memory
+group table (`kernels.group_table`) that every role decodes its work from.
+Clusters whose index lies past the real work are phantoms: the persistent
+schedulers skip them, and with ``clc`` every padded cluster is launched, so
+the first grant of a phantom proves the real work is taken and, with
+tail_cancel, fires `kernels.sm100.clc`'s capped cancel burst.
+
+A tile reads A from its group's first row plus its own offset through one
+descriptor, so rows of the next group may be loaded; they are never stored:
+the epilogue writes from registers with a row bound at the group's end.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils.gemm.sm100 import epilogue
+
+from kernels.group_table import GroupedTileScheduler, GroupTable
+from kernels.grouped import MAX_GROUPS
+from kernels.schedulers import ClaimRing
+from kernels.sm100 import clc
+from kernels.sm100.gemm import Sm100GemmKernel
+from kernels.space import GemmConfig, InvalidConfig
+
+# Builds the group table before the roles split (the TMA warp: it has the
+# least to do before its first load).
+_TABLE_WARP = 5
+
+
+def worst_case_clusters(total_m, n, groups, cluster_rows: int, cluster_cols: int):
+    """Cluster tiles of the worst-case offs: each group boundary can add one partial cluster row.
+
+    Takes Python or DSL integers: the grid is sized from shapes only.
+    """
+    clusters_n = (n + cluster_cols - 1) // cluster_cols
+    return ((total_m + cluster_rows - 1) // cluster_rows + groups) * clusters_n
+
+
+class GroupedClcScheduler(clc.ClcScheduler):
+    """`clc.ClcScheduler` whose indices decode through a `GroupTable` (phantoms: past its count)."""
+
+    _work = GroupedTileScheduler._work
+
+    def __new_from_mlir_values__(self, values: list) -> "GroupedClcScheduler":
+        base = super().__new_from_mlir_values__(values)
+        return GroupedClcScheduler(
+            self.spec, self.grid, self.num_clusters, self.rank_mn, base._idx, self._ring, base._state
+        )
+
+    @staticmethod
+    def create(spec: clc.ClcSpec, table: GroupTable, ring: clc.ClcRing) -> "GroupedClcScheduler":
+        base = clc.ClcScheduler.create(spec, table, ring)
+        return GroupedClcScheduler(spec, table, base.num_clusters, base.rank_mn, base._idx, ring, base._state)
+
+
+class Sm100GroupedGemmKernel(Sm100GemmKernel):
+    """``__call__(a, b, out, offs, sched_buf, max_clusters, stream)``; see the module doc."""
+
+    def __init__(self, cfg: GemmConfig, layout: str = "tn", form: str = "rows"):
+        super().__init__(cfg, layout)
+        self.can_implement_grouped(cfg, form)
+        self.form = form
+
+    @staticmethod
+    def can_implement_grouped(cfg: GemmConfig, form: str) -> None:
+        if form != "rows":
+            raise InvalidConfig(f"the sm100 grouped kernel takes the 'rows' form, not {form!r}")
+        if cfg.split_k != 1:
+            raise InvalidConfig("grouped kernels do not split K")
+        if cfg.scheduler == "single_tile":
+            raise InvalidConfig("the sm100 grouped kernel needs a persistent or clc scheduler")
+
+    # ------------------------------------------------------------------ host
+
+    def _grouped_views(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
+        """(m, k, 1), (n, k, G), (m, n, 1) views."""
+        m, k = a.shape
+        groups = b.shape[0]
+        a3 = cute.make_tensor(a.iterator, cute.make_layout((m, k, 1), stride=(a.stride[0], 1, 0)))
+        if const_expr(self.layout == "tn"):
+            n = b.shape[1]
+            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, groups), stride=(b.stride[1], 1, b.stride[0])))
+        else:
+            n = b.shape[2]
+            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k, groups), stride=(1, b.stride[1], b.stride[0])))
+        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, 0)))
+        return a3, b3, c3
+
+    def _shared_storage(self):
+        n_ring_bars, n_ring_words = self.ring_words
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
+            acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+            tmem_dealloc_mbar: cutlass.Int64
+            tmem_holding_buf: cutlass.Int32
+            ring_bars: cute.struct.MemRange[cutlass.Int64, n_ring_bars]
+            ring_slots: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, n_ring_words], 16]
+            bounds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
+            starts: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout_staged.outer)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged.outer)], 1024
+            ]
+
+        return SharedStorage
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        offs: cute.Tensor,
+        sched_buf: cute.Tensor,
+        max_clusters: Int32,
+        stream,
+    ):
+        a, b, c = self._grouped_views(a, b, c)
+        tiled_mma = self._setup(a, b, c)
+        atom_thr_size = cute.size(tiled_mma.thr_id.shape)
+
+        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
+        a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+        tma_atom_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, a, a_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
+        b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+        tma_atom_b, tma_tensor_b = cute.nvgpu.make_tiled_tma_atom_B(
+            b_op, b, b_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        self.num_tma_load_bytes = (
+            cute.size_in_bytes(self.a_dtype, a_smem_layout) + cute.size_in_bytes(self.b_dtype, b_smem_layout)
+        ) * atom_thr_size
+
+        clusters = worst_case_clusters(
+            c.shape[0], c.shape[1], offs.shape[0], self.cta_tile_shape_mnk[0] * self.cluster_shape_mn[0],
+            self.cta_tile_shape_mnk[1] * self.cluster_shape_mn[1],
+        )
+        if const_expr(self.cfg.scheduler != "clc"):
+            clusters = cutlass.min(clusters, max_clusters)
+
+        self.grouped_kernel(
+            tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, c, offs,
+            self.cluster_layout_vmnk, self.a_smem_layout_staged, self.b_smem_layout_staged,
+            self.epi_tile, sched_buf,
+        ).launch(
+            grid=(self.cluster_shape_mn[0] * clusters, self.cluster_shape_mn[1], 1),
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device
+
+    @cute.kernel
+    def grouped_kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA_mkl: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_nkl: cute.Tensor,
+        mC_mnl: cute.Tensor,
+        offs: cute.Tensor,
+        cluster_layout_vmnk: cute.Layout,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        epi_tile: cute.Tile,
+        sched_buf: cute.Tensor,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == self.tma_warp_id:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+
+        use_2cta_instrs = cute.size(tiled_mma.thr_id.shape) == 2
+        bidx, _, _ = cute.arch.block_idx()
+        mma_tile_coord_v = bidx % cute.size(tiled_mma.thr_id.shape)
+        is_leader_cta = mma_tile_coord_v == 0
+        cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
+        tidx, _, _ = cute.arch.thread_idx()
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+
+        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
+            ),
+            tx_count=self.num_tma_load_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_mbar.data_ptr(),
+            num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, len(self.epilogue_warp_id) * (2 if use_2cta_instrs else 1)
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+
+        ring = None
+        if const_expr(self.cfg.scheduler == "clc"):
+            ring = clc.ClcRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
+                self.ring_consumer_warps, cluster_layout_vmnk,
+            )
+        elif const_expr(self.cfg.scheduler == "dynamic_persistent"):
+            ring = ClaimRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
+                self.ring_consumer_warps,
+            )
+
+        tmem = TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=self.tmem_alloc_sync_bar_id,
+                num_threads=32 * len((self.mma_warp_id, *self.epilogue_warp_id)),
+            ),
+            allocator_warp_id=self.epilogue_warp_id[0],
+            is_two_cta=use_2cta_instrs,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+
+        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+        m_total, n_total, _ = mC_mnl.shape
+        cluster_rows = self.cta_tile_shape_mnk[0] * self.cluster_shape_mn[0]
+        cluster_cols = self.cta_tile_shape_mnk[1] * self.cluster_shape_mn[1]
+        table = GroupTable(
+            "rows",
+            storage.bounds.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
+            storage.starts.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
+            offs.shape[0],
+            (m_total + cluster_rows - 1) // cluster_rows,
+            (n_total + cluster_cols - 1) // cluster_cols,
+            cluster_rows,
+        )
+        table.build(offs, m_total, warp_idx == _TABLE_WARP)
+        cute.arch.sync_threads()
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+
+        a_full_mcast_mask = None
+        b_full_mcast_mask = None
+        if const_expr(self.is_a_mcast or self.is_b_mcast or use_2cta_instrs):
+            a_full_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
+            )
+            b_full_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
+            )
+
+        mma_m_rows = self.mma_tiler[0]
+        tiler_a = cute.slice_(self.mma_tiler, (None, 0, None))
+        # (bN, bK, RestN, RestK, G)
+        gB_nkl = cute.local_tile(mB_nkl, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        k_tile_cnt = cute.size(gB_nkl, mode=[3])
+
+        thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
+        tCgB = thr_mma.partition_B(gB_nkl)
+        a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
+        b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b, block_in_cluster_coord_vmnk[1], b_cta_layout,
+            cute.group_modes(sB, 0, 3), cute.group_modes(tCgB, 0, 3),
+        )
+
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+
+        pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+
+        # ---- TMA load warp
+        if warp_idx == self.tma_warp_id:
+            sched = self._grouped_scheduler(table, ring)
+            work = sched.initial_work()
+            while work.is_valid:
+                m, n, g = work.tile
+                row0 = table.bounds[g] + (m // cute.size(tiled_mma.thr_id.shape)) * mma_m_rows
+                # (bM, bK, RestK) of this tile, from its group's first row.
+                gA = cute.local_tile(cute.domain_offset((row0, 0, 0), mA_mkl), tiler_a, (0, None, 0))
+                tAsA, tAgA = cpasync.tma_partition(
+                    tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout,
+                    cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
+                )
+                tBgB_slice = tBgB[(None, n, None, g)]
+                ab_producer.reset()
+                peek_empty = ab_producer.try_acquire()
+                for _k in cutlass.range(0, k_tile_cnt, 1, unroll=1):
+                    handle = ab_producer.acquire_and_advance(peek_empty)
+                    cute.copy(
+                        tma_atom_a, tAgA[(None, handle.count)], tAsA[(None, handle.index)],
+                        tma_bar_ptr=handle.barrier, mcast_mask=a_full_mcast_mask,
+                    )
+                    cute.copy(
+                        tma_atom_b, tBgB_slice[(None, handle.count)], tBsB[(None, handle.index)],
+                        tma_bar_ptr=handle.barrier, mcast_mask=b_full_mcast_mask,
+                    )
+                    peek_empty = cutlass.Boolean(1)
+                    if handle.count + 1 < k_tile_cnt:
+                        peek_empty = ab_producer.try_acquire()
+                work = sched.advance()
+            ab_producer.tail()
+
+        # ---- scheduler warp
+        if const_expr(self.has_sched_warp):
+            if warp_idx == self.sched_warp_id:
+                self._grouped_scheduler(table, ring).serve_claims(sched_buf)
+
+        # ---- MMA warp
+        if warp_idx == self.mma_warp_id:
+            tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
+            acc_producer_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_acc_stage
+            )
+            sched = self._grouped_scheduler(table, ring)
+            work = sched.initial_work()
+            while work.is_valid:
+                tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
+                ab_consumer.reset()
+                peek_full = cutlass.Boolean(1)
+                if is_leader_cta:
+                    peek_full = ab_consumer.try_wait()
+                    acc_pipeline.producer_acquire(acc_producer_state)
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for _k in range(k_tile_cnt):
+                    if is_leader_cta:
+                        handle = ab_consumer.wait_and_advance(peek_full)
+                        num_kblocks = cute.size(tCrA, mode=[2])
+                        for kblk in cutlass.range(num_kblocks, unroll_full=True):
+                            crd = (None, None, kblk, handle.index)
+                            cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                        handle.release()
+                        peek_full = cutlass.Boolean(1)
+                        if handle.count + 1 < k_tile_cnt:
+                            peek_full = ab_consumer.try_wait()
+                if is_leader_cta:
+                    acc_pipeline.producer_commit(acc_producer_state)
+                acc_producer_state.advance()
+                work = sched.advance()
+            acc_pipeline.producer_tail(acc_producer_state)
+
+        # ---- epilogue warps: registers -> global, rows bounded by the group's end
+        if warp_idx < self.mma_warp_id:
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
+            acc_consumer_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_acc_stage
+            )
+            tiler_c = cute.slice_(self.mma_tiler, (None, None, 0))
+            sched = self._grouped_scheduler(table, ring)
+            work = sched.initial_work()
+            while work.is_valid:
+                m, n, g = work.tile
+                row0 = table.bounds[g] + (m // cute.size(tiled_mma.thr_id.shape)) * mma_m_rows
+                end = table.bounds[g + 1]
+                work = sched.advance()
+                # C and its coordinates cut at the group's end, from the tile's first row.
+                mC_g = cute.make_tensor(mC_mnl.iterator, cute.make_layout((end, n_total, 1), stride=mC_mnl.stride))
+                gC = cute.local_tile(cute.domain_offset((row0, 0, 0), mC_g), tiler_c, (None, None, None))
+                cC = cute.local_tile(
+                    cute.domain_offset((row0, 0, 0), cute.make_identity_tensor(mC_g.shape)), tiler_c,
+                    (None, None, None),
+                )
+                acc_consumer_state = epilogue(
+                    self, tidx, tCtAcc_base, thr_mma.partition_C(gC), epi_tile, lambda x: x,
+                    (Int32(0), n, Int32(0)), acc_consumer_state, acc_pipeline,
+                    thr_mma.partition_C(cC), mC_g,
+                )
+            tmem.relinquish_alloc_permit()
+            tmem.free(tCtAcc_base.iterator)
+
+    def _grouped_scheduler(self, table: GroupTable, ring):
+        if const_expr(self.cfg.scheduler == "clc"):
+            return GroupedClcScheduler.create(self.sched, table, ring)
+        return GroupedTileScheduler.create(self.sched, table, ring)
