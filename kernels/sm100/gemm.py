@@ -253,68 +253,17 @@ class Sm100GemmKernel:
 
         storage = SmemAllocator().allocate(self.shared_storage)
 
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_mbar.data_ptr(),
-            num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
-            ),
-            tx_count=self.num_tma_load_bytes,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-
-        acc_pipeline = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_mbar.data_ptr(),
-            num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, len(self.epilogue_warp_id) * (2 if use_2cta_instrs else 1)
-            ),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
+        ab_producer, ab_consumer, acc_pipeline, ring, tmem = self._cta_start(
+            storage, cluster_layout_vmnk, use_2cta_instrs
         )
-
-        ring = None
-        if cutlass.const_expr(self.cfg.scheduler == "clc"):
-            ring = clc.ClcRing.create(
-                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
-                self.ring_consumer_warps, cluster_layout_vmnk,
-            )
-        elif cutlass.const_expr(self.cfg.scheduler == "dynamic_persistent"):
-            ring = ClaimRing.create(
-                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
-                self.ring_consumer_warps,
-            )
-
-        tmem = TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=self.tmem_alloc_sync_bar_id,
-                num_threads=32 * len((self.mma_warp_id, *self.epilogue_warp_id)),
-            ),
-            allocator_warp_id=self.epilogue_warp_id[0],
-            is_two_cta=use_2cta_instrs,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-        )
-
-        # Barrier inits must be visible cluster-wide before any peer signals them.
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sC = storage.sC.get_tensor(c_smem_layout_staged.outer, swizzle=c_smem_layout_staged.inner)
 
-        a_full_mcast_mask = None
-        b_full_mcast_mask = None
-        if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast or use_2cta_instrs):
-            a_full_mcast_mask = cpasync.create_tma_multicast_mask(
-                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
-            )
-            b_full_mcast_mask = cpasync.create_tma_multicast_mask(
-                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
-            )
+        a_full_mcast_mask, b_full_mcast_mask = self._mcast_masks(
+            cluster_layout_vmnk, block_in_cluster_coord_vmnk, use_2cta_instrs
+        )
 
         # (bM, bK, RestM, RestK, RestL)
         gA_mkl = cute.local_tile(mA_mkl, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
@@ -363,21 +312,10 @@ class Sm100GemmKernel:
                 mma_m, mma_n, mma_l = self._mma_tile(work, tiled_mma)
                 tAgA_slice = tAgA[(None, mma_m, None, mma_l)]
                 tBgB_slice = tBgB[(None, mma_n, None, mma_l)]
-                ab_producer.reset()
-                peek_empty = ab_producer.try_acquire()
-                for _k in cutlass.range(0, k_tile_cnt, 1, unroll=1):
-                    handle = ab_producer.acquire_and_advance(peek_empty)
-                    cute.copy(
-                        tma_atom_a, tAgA_slice[(None, handle.count)], tAsA[(None, handle.index)],
-                        tma_bar_ptr=handle.barrier, mcast_mask=a_full_mcast_mask,
-                    )
-                    cute.copy(
-                        tma_atom_b, tBgB_slice[(None, handle.count)], tBsB[(None, handle.index)],
-                        tma_bar_ptr=handle.barrier, mcast_mask=b_full_mcast_mask,
-                    )
-                    peek_empty = cutlass.Boolean(1)
-                    if handle.count + 1 < k_tile_cnt:
-                        peek_empty = ab_producer.try_acquire()
+                ab_producer = self._load_tile(
+                    ab_producer, k_tile_cnt, tma_atom_a, tAgA_slice, tAsA, a_full_mcast_mask,
+                    tma_atom_b, tBgB_slice, tBsB, b_full_mcast_mask,
+                )
                 work = sched.advance()
             ab_producer.tail()
 
@@ -388,37 +326,10 @@ class Sm100GemmKernel:
 
         # ---- MMA warp
         if warp_idx == self.mma_warp_id:
-            tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
-            acc_producer_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.num_acc_stage
+            self._mma_role(
+                tiles, ring, tmem, tCtAcc_fake, tiled_mma, ab_consumer, acc_pipeline, tCrA, tCrB, k_tile_cnt,
+                is_leader_cta,
             )
-            sched = self._scheduler(tiles, ring)
-            work = sched.initial_work()
-            while work.is_valid:
-                tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
-                ab_consumer.reset()
-                peek_full = cutlass.Boolean(1)
-                if is_leader_cta:
-                    peek_full = ab_consumer.try_wait()
-                    acc_pipeline.producer_acquire(acc_producer_state)
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for _k in range(k_tile_cnt):
-                    if is_leader_cta:
-                        handle = ab_consumer.wait_and_advance(peek_full)
-                        num_kblocks = cute.size(tCrA, mode=[2])
-                        for kblk in cutlass.range(num_kblocks, unroll_full=True):
-                            crd = (None, None, kblk, handle.index)
-                            cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                        handle.release()
-                        peek_full = cutlass.Boolean(1)
-                        if handle.count + 1 < k_tile_cnt:
-                            peek_full = ab_consumer.try_wait()
-                if is_leader_cta:
-                    acc_pipeline.producer_commit(acc_producer_state)
-                acc_producer_state.advance()
-                work = sched.advance()
-            acc_pipeline.producer_tail(acc_producer_state)
 
         # ---- epilogue warps
         if warp_idx < self.mma_warp_id:
@@ -451,12 +362,140 @@ class Sm100GemmKernel:
             tmem.relinquish_alloc_permit()
             tmem.free(tCtAcc_base.iterator)
 
+    def _cta_start(self, storage, cluster_layout_vmnk: cute.Layout, use_2cta_instrs: bool) -> tuple:
+        """The pipelines (loads -> MMA, MMA -> epilogue), the scheduler ring and
+        the TMEM allocator every sm100 kernel of the pool sets up first."""
+        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
+            ),
+            tx_count=self.num_tma_load_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_mbar.data_ptr(),
+            num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, len(self.epilogue_warp_id) * (2 if use_2cta_instrs else 1)
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+
+        ring = None
+        if cutlass.const_expr(self.cfg.scheduler == "clc"):
+            ring = clc.ClcRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
+                self.ring_consumer_warps, cluster_layout_vmnk,
+            )
+        elif cutlass.const_expr(self.cfg.scheduler == "dynamic_persistent"):
+            ring = ClaimRing.create(
+                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
+                self.ring_consumer_warps,
+            )
+
+        tmem = TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=self.tmem_alloc_sync_bar_id,
+                num_threads=32 * len((self.mma_warp_id, *self.epilogue_warp_id)),
+            ),
+            allocator_warp_id=self.epilogue_warp_id[0],
+            is_two_cta=use_2cta_instrs,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+
+        # Barrier inits must be visible cluster-wide before any peer signals them.
+        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        return ab_producer, ab_consumer, acc_pipeline, ring, tmem
+
+    def _mcast_masks(self, cluster_layout_vmnk: cute.Layout, block_in_cluster_coord_vmnk, use_2cta_instrs: bool):
+        """TMA multicast masks of A (along the cluster's N) and B (along its M)."""
+        a_full_mcast_mask = None
+        b_full_mcast_mask = None
+        if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast or use_2cta_instrs):
+            a_full_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
+            )
+            b_full_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
+            )
+        return a_full_mcast_mask, b_full_mcast_mask
+
+    @cute.jit
+    def _load_tile(
+        self, ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB, b_mcast_mask,
+    ):
+        """TMA loads of one tile's k-blocks of A and B into the stage ring; returns
+        the producer, whose ring position the caller carries to the next tile."""
+        ab_producer.reset()
+        peek_empty = ab_producer.try_acquire()
+        for _k in cutlass.range(0, k_tile_cnt, 1, unroll=1):
+            handle = ab_producer.acquire_and_advance(peek_empty)
+            cute.copy(
+                tma_atom_a, tAgA[(None, handle.count)], tAsA[(None, handle.index)],
+                tma_bar_ptr=handle.barrier, mcast_mask=a_mcast_mask,
+            )
+            cute.copy(
+                tma_atom_b, tBgB[(None, handle.count)], tBsB[(None, handle.index)],
+                tma_bar_ptr=handle.barrier, mcast_mask=b_mcast_mask,
+            )
+            peek_empty = cutlass.Boolean(1)
+            if handle.count + 1 < k_tile_cnt:
+                peek_empty = ab_producer.try_acquire()
+        return ab_producer
+
+    @cute.jit
+    def _mma_role(
+        self, work_tiles, ring, tmem: TmemAllocator, tCtAcc_fake: cute.Tensor, tiled_mma: cute.TiledMma,
+        ab_consumer, acc_pipeline, tCrA: cute.Tensor, tCrB: cute.Tensor, k_tile_cnt, is_leader_cta,
+    ):
+        """The MMA warp: one accumulator stage per tile of `work_tiles` (see `_scheduler`)."""
+        tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
+        acc_producer_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.num_acc_stage
+        )
+        sched = self._scheduler(work_tiles, ring)
+        work = sched.initial_work()
+        while work.is_valid:
+            tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
+            ab_consumer.reset()
+            peek_full = cutlass.Boolean(1)
+            if is_leader_cta:
+                peek_full = ab_consumer.try_wait()
+                acc_pipeline.producer_acquire(acc_producer_state)
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+            for _k in range(k_tile_cnt):
+                if is_leader_cta:
+                    handle = ab_consumer.wait_and_advance(peek_full)
+                    num_kblocks = cute.size(tCrA, mode=[2])
+                    for kblk in cutlass.range(num_kblocks, unroll_full=True):
+                        crd = (None, None, kblk, handle.index)
+                        cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    handle.release()
+                    peek_full = cutlass.Boolean(1)
+                    if handle.count + 1 < k_tile_cnt:
+                        peek_full = ab_consumer.try_wait()
+            if is_leader_cta:
+                acc_pipeline.producer_commit(acc_producer_state)
+            acc_producer_state.advance()
+            work = sched.advance()
+        acc_pipeline.producer_tail(acc_producer_state)
+
     def _accumulators(self, tmem: TmemAllocator, fake: cute.Tensor) -> cute.Tensor:
         """The TMEM accumulator stages, once the epilogue warps' allocation has landed."""
         tmem.wait_for_alloc()
         return cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), fake.layout)
 
     def _scheduler(self, tiles: TileGrid, ring):
+        """The scheduler every warp role walks (a grouped kernel walks its group table instead)."""
         if cutlass.const_expr(self.cfg.scheduler == "clc"):
             return clc.ClcScheduler.create(self.sched, tiles, ring)
         return TileScheduler.create(self.sched, tiles, ring)

@@ -24,14 +24,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.memory import SmemAllocator, TmemAllocator
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_wait
 from cutlass.utils.gemm.sm100 import epilogue
 
 from kernels.group_table import GroupedTileScheduler, GroupTable
 from kernels.grouped import MAX_GROUPS
-from kernels.schedulers import ClaimRing
 from kernels.sm100 import clc
 from kernels.sm100.gemm import Sm100GemmKernel
 from kernels.space import GemmConfig, InvalidConfig
@@ -203,53 +202,9 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
 
         storage = SmemAllocator().allocate(self.shared_storage)
 
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_mbar.data_ptr(),
-            num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
-            ),
-            tx_count=self.num_tma_load_bytes,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-
-        acc_pipeline = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_mbar.data_ptr(),
-            num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, len(self.epilogue_warp_id) * (2 if use_2cta_instrs else 1)
-            ),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
+        ab_producer, ab_consumer, acc_pipeline, ring, tmem = self._cta_start(
+            storage, cluster_layout_vmnk, use_2cta_instrs
         )
-
-        ring = None
-        if const_expr(self.cfg.scheduler == "clc"):
-            ring = clc.ClcRing.create(
-                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
-                self.ring_consumer_warps, cluster_layout_vmnk,
-            )
-        elif const_expr(self.cfg.scheduler == "dynamic_persistent"):
-            ring = ClaimRing.create(
-                self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
-                self.ring_consumer_warps,
-            )
-
-        tmem = TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=self.tmem_alloc_sync_bar_id,
-                num_threads=32 * len((self.mma_warp_id, *self.epilogue_warp_id)),
-            ),
-            allocator_warp_id=self.epilogue_warp_id[0],
-            is_two_cta=use_2cta_instrs,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-        )
-
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
         m_total, n_total, _ = mC_mnl.shape
         cluster_rows = self.cta_tile_shape_mnk[0] * self.cluster_shape_mn[0]
@@ -269,15 +224,9 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
 
-        a_full_mcast_mask = None
-        b_full_mcast_mask = None
-        if const_expr(self.is_a_mcast or self.is_b_mcast or use_2cta_instrs):
-            a_full_mcast_mask = cpasync.create_tma_multicast_mask(
-                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
-            )
-            b_full_mcast_mask = cpasync.create_tma_multicast_mask(
-                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
-            )
+        a_full_mcast_mask, b_full_mcast_mask = self._mcast_masks(
+            cluster_layout_vmnk, block_in_cluster_coord_vmnk, use_2cta_instrs
+        )
 
         mma_m_rows = self.mma_tiler[0]
         tiler_a = cute.slice_(self.mma_tiler, (None, 0, None))
@@ -303,7 +252,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
 
         # ---- TMA load warp
         if warp_idx == self.tma_warp_id:
-            sched = self._grouped_scheduler(table, ring)
+            sched = self._scheduler(table, ring)
             work = sched.initial_work()
             while work.is_valid:
                 m, n, g = work.tile
@@ -314,63 +263,24 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
                     tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout,
                     cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
                 )
-                tBgB_slice = tBgB[(None, n, None, g)]
-                ab_producer.reset()
-                peek_empty = ab_producer.try_acquire()
-                for _k in cutlass.range(0, k_tile_cnt, 1, unroll=1):
-                    handle = ab_producer.acquire_and_advance(peek_empty)
-                    cute.copy(
-                        tma_atom_a, tAgA[(None, handle.count)], tAsA[(None, handle.index)],
-                        tma_bar_ptr=handle.barrier, mcast_mask=a_full_mcast_mask,
-                    )
-                    cute.copy(
-                        tma_atom_b, tBgB_slice[(None, handle.count)], tBsB[(None, handle.index)],
-                        tma_bar_ptr=handle.barrier, mcast_mask=b_full_mcast_mask,
-                    )
-                    peek_empty = cutlass.Boolean(1)
-                    if handle.count + 1 < k_tile_cnt:
-                        peek_empty = ab_producer.try_acquire()
+                ab_producer = self._load_tile(
+                    ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_full_mcast_mask,
+                    tma_atom_b, tBgB[(None, n, None, g)], tBsB, b_full_mcast_mask,
+                )
                 work = sched.advance()
             ab_producer.tail()
 
         # ---- scheduler warp
         if const_expr(self.has_sched_warp):
             if warp_idx == self.sched_warp_id:
-                self._grouped_scheduler(table, ring).serve_claims(sched_buf)
+                self._scheduler(table, ring).serve_claims(sched_buf)
 
         # ---- MMA warp
         if warp_idx == self.mma_warp_id:
-            tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
-            acc_producer_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.num_acc_stage
+            self._mma_role(
+                table, ring, tmem, tCtAcc_fake, tiled_mma, ab_consumer, acc_pipeline, tCrA, tCrB, k_tile_cnt,
+                is_leader_cta,
             )
-            sched = self._grouped_scheduler(table, ring)
-            work = sched.initial_work()
-            while work.is_valid:
-                tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
-                ab_consumer.reset()
-                peek_full = cutlass.Boolean(1)
-                if is_leader_cta:
-                    peek_full = ab_consumer.try_wait()
-                    acc_pipeline.producer_acquire(acc_producer_state)
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for _k in range(k_tile_cnt):
-                    if is_leader_cta:
-                        handle = ab_consumer.wait_and_advance(peek_full)
-                        num_kblocks = cute.size(tCrA, mode=[2])
-                        for kblk in cutlass.range(num_kblocks, unroll_full=True):
-                            crd = (None, None, kblk, handle.index)
-                            cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                        handle.release()
-                        peek_full = cutlass.Boolean(1)
-                        if handle.count + 1 < k_tile_cnt:
-                            peek_full = ab_consumer.try_wait()
-                if is_leader_cta:
-                    acc_pipeline.producer_commit(acc_producer_state)
-                acc_producer_state.advance()
-                work = sched.advance()
-            acc_pipeline.producer_tail(acc_producer_state)
 
         # ---- epilogue warps: registers -> global, rows bounded by the group's end
         if warp_idx < self.mma_warp_id:
@@ -380,7 +290,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
                 pipeline.PipelineUserType.Consumer, self.num_acc_stage
             )
             tiler_c = cute.slice_(self.mma_tiler, (None, None, 0))
-            sched = self._grouped_scheduler(table, ring)
+            sched = self._scheduler(table, ring)
             work = sched.initial_work()
             while work.is_valid:
                 m, n, g = work.tile
@@ -402,7 +312,8 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
             tmem.relinquish_alloc_permit()
             tmem.free(tCtAcc_base.iterator)
 
-    def _grouped_scheduler(self, table: GroupTable, ring):
+    def _scheduler(self, table: GroupTable, ring):
+        """The grouped walk: work indices decode to (tile, group) through the group table."""
         if const_expr(self.cfg.scheduler == "clc"):
             return GroupedClcScheduler.create(self.sched, table, ring)
         return GroupedTileScheduler.create(self.sched, table, ring)
