@@ -180,22 +180,7 @@ class Sm100GemmKernel:
     ):
         a, b, c = self._views(a, b, c)
         tiled_mma = self._setup(a, b, c)
-        atom_thr_size = cute.size(tiled_mma.thr_id.shape)
-
-        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
-        a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
-        tma_atom_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
-            a_op, a, a_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-        )
-        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
-        b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
-        tma_atom_b, tma_tensor_b = cute.nvgpu.make_tiled_tma_atom_B(
-            b_op, b, b_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-        )
-        # Each CTA of an MMA pair receives both halves' bytes on its barrier.
-        self.num_tma_load_bytes = (
-            cute.size_in_bytes(self.a_dtype, a_smem_layout) + cute.size_in_bytes(self.b_dtype, b_smem_layout)
-        ) * atom_thr_size
+        tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b = self._tma_loads(a, b, tiled_mma)
 
         epi_smem_layout = cute.select(self.c_smem_layout_staged, mode=[0, 1])
         tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
@@ -488,6 +473,27 @@ class Sm100GemmKernel:
             acc_producer_state.advance()
             work = sched.advance()
         acc_pipeline.producer_tail(acc_producer_state)
+
+    def _tma_loads(self, a: cute.Tensor, b: cute.Tensor, tiled_mma: cute.TiledMma) -> tuple:
+        """TMA atoms and tensors of A and B (multicast across the cluster), and the
+        bytes one stage's loads bring to a CTA's barrier."""
+        atom_thr_size = cute.size(tiled_mma.thr_id.shape)
+
+        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
+        a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+        tma_atom_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, a, a_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
+        b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+        tma_atom_b, tma_tensor_b = cute.nvgpu.make_tiled_tma_atom_B(
+            b_op, b, b_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        # Each CTA of an MMA pair receives both halves' bytes on its barrier.
+        self.num_tma_load_bytes = (
+            cute.size_in_bytes(self.a_dtype, a_smem_layout) + cute.size_in_bytes(self.b_dtype, b_smem_layout)
+        ) * atom_thr_size
+        return tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b
 
     def _accumulators(self, tmem: TmemAllocator, fake: cute.Tensor) -> cute.Tensor:
         """The TMEM accumulator stages, once the epilogue warps' allocation has landed."""

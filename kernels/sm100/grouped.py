@@ -22,7 +22,6 @@ the epilogue writes from registers with a row bound at the group's end.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
@@ -134,21 +133,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
     ):
         a, b, c = self._grouped_views(a, b, c)
         tiled_mma = self._setup(a, b, c)
-        atom_thr_size = cute.size(tiled_mma.thr_id.shape)
-
-        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
-        a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
-        tma_atom_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
-            a_op, a, a_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-        )
-        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
-        b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
-        tma_atom_b, tma_tensor_b = cute.nvgpu.make_tiled_tma_atom_B(
-            b_op, b, b_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-        )
-        self.num_tma_load_bytes = (
-            cute.size_in_bytes(self.a_dtype, a_smem_layout) + cute.size_in_bytes(self.b_dtype, b_smem_layout)
-        ) * atom_thr_size
+        tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b = self._tma_loads(a, b, tiled_mma)
 
         clusters = worst_case_clusters(
             c.shape[0], c.shape[1], offs.shape[0], self.cta_tile_shape_mnk[0] * self.cluster_shape_mn[0],
