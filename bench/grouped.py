@@ -10,8 +10,8 @@
 (b) moe: MoE keys (8 and 64 experts, hidden sizes 2048 to 7168), balanced
     (skew 0) and skewed (`tuner._gpu_worker.DEFAULT_GROUP_SKEW`) routing, one
     with SMs held by another kernel; a few pool configs per key, the best
-    re-measured interleaved with `torch._grouped_mm` (a loop of cuBLAS
-    calls per expert is not measured for these keys yet).
+    re-measured interleaved with `torch._grouped_mm` and with a loop of
+    cuBLAS calls, one per expert.
 
 All times come from `tuner.gpu.GpuBackend` (CUDA graph replays, operands
 rotated through more than L2). Writes `<out>/<device-slug>-grouped.json`.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench.kernels_sm90 import ARCH, device_slug, max_stages
 from kernels.space import GemmConfig
-from tuner._gpu_worker import DEFAULT_GROUP_SKEW
+from tuner._gpu_worker import CUBLAS_LOOP, DEFAULT_GROUP_SKEW
 from tuner.gpu import GpuBackend
 from tuner.key import Key, Problem
 
@@ -46,6 +46,7 @@ MOE_KEYS = [
 HELD_SMS = 20
 MOE_TILES = (
     dict(tile_m=128, tile_n=256, cluster_m=2, swizzle=4),
+    dict(tile_m=128, tile_n=224, cluster_m=2, swizzle=4),
     dict(tile_m=128, tile_n=256, swizzle=4),
     dict(tile_m=128, tile_n=128, cluster_n=2, swizzle=4),
 )
@@ -109,10 +110,13 @@ def moe(device: int) -> list[dict]:
                     records.append(rec)
                     continue
                 best = min(timed, key=lambda t: t[0])[1]
-                pool, torch_mm = backend.remeasure(key, [best, None])
-                rec.update(config=best.name(), pool_ms=pool.ms, grouped_mm_ms=torch_mm.ms)
+                pool, torch_mm, loop = backend.remeasure(key, [best, None, CUBLAS_LOOP])
+                rec.update(config=best.name(), pool_ms=pool.ms, grouped_mm_ms=torch_mm.ms,
+                           cublas_loop_ms=loop.ms if loop.ok else None)
                 if pool.ok and torch_mm.ok:
                     rec["pool_over_grouped_mm"] = torch_mm.ms / pool.ms
+                if pool.ok and loop.ok:
+                    rec["pool_over_cublas_loop"] = loop.ms / pool.ms
                 records.append(rec)
                 print(json.dumps(rec), file=sys.stderr)
     return records
@@ -136,11 +140,12 @@ def markdown(records: list[dict]) -> str:
                   f"{f(r.get('dynamic_over_static'))} | {f(r['cublas_loop_tflops'], '.1f')} |" for r in seed]
     moe_recs = [r for r in records if r["part"] == "moe"]
     if moe_recs:
-        lines += ["", "| experts | M | N | K | skew | held SMs | pool ms | torch._grouped_mm ms | speedup | config |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| experts | M | N | K | skew | held SMs | pool ms | torch._grouped_mm ms | speedup "
+                  "| cuBLAS loop ms | speedup | config |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['experts']} | {r['M']} | {r['N']} | {r['K']} | {r['skew']} | {r['held_sms']} | "
                   f"{f(r.get('pool_ms'), '.4f')} | {f(r.get('grouped_mm_ms'), '.4f')} | "
-                  f"{f(r.get('pool_over_grouped_mm'))} | {r.get('config', r.get('error', '-'))} |" for r in moe_recs]
+                  f"{f(r.get('pool_over_grouped_mm'))} | {f(r.get('cublas_loop_ms'), '.4f')} | "
+                  f"{f(r.get('pool_over_cublas_loop'))} | {r.get('config', r.get('error', '-'))} |" for r in moe_recs]
         lines.append(f"\ngeomean speedup over torch._grouped_mm: "
                      f"{f(geomean([r.get('pool_over_grouped_mm') for r in moe_recs]))}")
     return "\n".join(lines)

@@ -14,7 +14,12 @@ indices a cluster visits:
   claim counter and publishes it to every warp role of every CTA of the
   cluster through a ring of ``depth`` shared-memory slots (a pipeline: the
   scheduler warp produces, every other warp role consumes). An index at or
-  past the tile count means stop.
+  past the tile count means stop. A claim is made only when the leader's
+  load warp asks for it: with ``depth`` 1 once it has issued the last loads
+  of its current tile, so that a cluster busy with a long tile never holds a
+  second one an idle cluster could run; with ``depth`` 2 or more as it
+  begins the current tile, which hides the claim's latency when tiles are
+  short.
 
 The claim counter needs no host work between launches: it shares one
 persistent ``int32[2]`` buffer (claims, finished clusters) with a finished
@@ -34,7 +39,9 @@ a kernel calls it at the same three places::
         work = sched.advance()
 
 and the kernel's scheduler warp calls ``sched.serve_claims(counter)`` once
-(a no-op unless dynamic). Another way of choosing the next index (Blackwell's
+(a no-op unless dynamic); the load warp calls ``sched.request_next(True)``
+before a tile's loads and ``sched.request_next(False)`` after them (no-ops
+unless dynamic). Another way of choosing the next index (Blackwell's
 cluster launch control, say) is another ``advance`` behind the same calls,
 reusing `decode_tile`, `TileGrid` and `WorkTile`.
 """
@@ -176,14 +183,16 @@ class ClaimRing:
     every consuming warp of every CTA in the cluster releases a slot on the
     leader's empty barrier. Into a peer CTA the index travels as an
     ``st.async`` that completes the peer's full barrier, so one arrive per
-    slot arms it. The kernel reserves the storage: `barriers` holds
-    2 * depth mbarriers (Int64), `slots` depth Int32 (16-byte aligned).
+    slot arms it. A last mbarrier carries the load warp's requests to the
+    scheduler warp. The kernel reserves the storage: `barriers` holds
+    2 * depth + 1 mbarriers (Int64), `slots` depth Int32 (16-byte aligned).
     """
 
-    def __init__(self, spec: SchedulerSpec, pipe: pipeline.PipelineAsync, slots: cute.Tensor):
+    def __init__(self, spec: SchedulerSpec, pipe: pipeline.PipelineAsync, slots: cute.Tensor, request):
         self.spec = spec
         self.pipe = pipe
         self.slots = slots
+        self.request = request
 
     @staticmethod
     def create(spec: SchedulerSpec, barriers: cute.Pointer, slots: cute.Pointer, consumer_warps: int) -> "ClaimRing":
@@ -198,12 +207,14 @@ class ClaimRing:
             consumer_mask=0 if spec.cluster_size > 1 else None,
             defer_sync=True,
         )
-        return ClaimRing(spec, pipe, cute.make_tensor(slots, cute.make_layout(spec.depth)))
+        request = barriers + 2 * spec.depth
+        _init_request_barrier(request)
+        return ClaimRing(spec, pipe, cute.make_tensor(slots, cute.make_layout(spec.depth)), request)
 
     @staticmethod
     def storage_words(spec: SchedulerSpec) -> tuple[int, int]:
         """(Int64 mbarriers, Int32 slots) a kernel reserves for the ring of `spec`."""
-        return 2 * spec.depth, spec.depth
+        return 2 * spec.depth + 1, spec.depth
 
     def receive(self, state: pipeline.PipelineState) -> Int32:
         """Called by every lane of a consuming warp: the next published index."""
@@ -232,6 +243,14 @@ class ClaimRing:
                 cute.arch.store_async_dsmem(
                     (self.slots.iterator + state.index).align(4), idx, full, lane
                 )
+
+
+@cute.jit
+def _init_request_barrier(request: cute.Pointer) -> None:
+    # Warp 0 initialises every barrier, as the pipelines do.
+    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_init(request, 1)
 
 
 class TileScheduler:
@@ -308,10 +327,25 @@ class TileScheduler:
         return self._work()
 
     @cute.jit
-    def serve_claims(self, counter: cute.Tensor) -> None:
-        """The scheduler warp's loop: claim, publish, repeat until past the end.
+    def request_next(self, at_start: cutlass.Constexpr[bool]) -> None:
+        """Called by the load warp twice per tile, before its first load
+        (`at_start`) and after its last: the leader's scheduler warp claims
+        the cluster's next tile at the first call when ``depth > 1`` (a claim
+        one tile ahead, its latency hidden behind the whole tile), at the
+        second when ``depth == 1`` (no cluster holds a tile it has not begun)."""
+        if const_expr(self.spec.dynamic and at_start == (self.spec.depth > 1)):
+            if cute.arch.block_idx_in_cluster() == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(self._ring.request)
 
-        Only the leader CTA of a cluster claims. `counter` is the persistent
+    @cute.jit
+    def serve_claims(self, counter: cute.Tensor) -> None:
+        """The scheduler warp's loop: wait for the load warp's request, claim,
+        publish, repeat until past the end.
+
+        Only the leader CTA of a cluster claims. The load warp cannot request
+        twice without receiving a claim in between, so the request barrier is
+        never more than one phase ahead of this loop. `counter` is the persistent
         int32[2] buffer (claims, finished clusters); the last cluster out
         zeroes it for the next launch.
         """
@@ -324,7 +358,10 @@ class TileScheduler:
                 # work is known on device) claims nothing: no role would
                 # take its publications off the ring.
                 nxt = self._idx
+                phase = Int32(0)
                 while nxt < total:
+                    cute.arch.mbarrier_wait(self._ring.request, phase)
+                    phase = phase ^ 1
                     claimed = Int32(0)
                     if lane == 0:
                         claimed = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")

@@ -59,15 +59,15 @@ _KNOBS = {
     "sm90": {
         "scheduler": SCHEDULERS[:3],
         "tile_m": (64, 128, 256),
-        "tile_n": (64, 96, 128, 160, 192, 256),
+        "tile_n": (64, 96, 128, 160, 192, 224, 256),
         "cluster_m": (1, 2),
         "cluster_n": (1, 2),
         "stages": (2, 3, 4, 5, 6, 7, 8),
         "swizzle": (1, 2, 4, 8),
         "raster": RASTERS,
-        "sched_depth": (1, 2, 3),
+        "sched_depth": (1, 2),
         "tail_cancel": (False,),
-        "split_k": (1, 2, 4, 8),
+        "split_k": (1, 2, 3, 4, 8),
         "cta_group": (1,),
         "acc_stages": (1,),
     },
@@ -100,7 +100,8 @@ class GemmConfig:
     tile_m x tile_n is the MMA tile: on sm90 the CTA tile (64 rows per
     consumer warpgroup, 256 = two warpgroups of 128), on sm100 the tcgen05
     tile, which spans two CTAs when cta_group == 2.
-    sched_depth is the prefetch depth of the atomic scheduler or the CLC
+    sched_depth is how far ahead the atomic scheduler claims (1: when the
+    current tile's loads are issued, 2: as they begin) or the CLC
     pipeline depth; it is 1 for schedulers that claim nothing.
     """
 
@@ -242,6 +243,8 @@ def validate(cfg: GemmConfig) -> None:
     # kernel has exactly one config (no duplicates for the search to time).
     if not cfg.dynamic and cfg.sched_depth != 1:
         raise InvalidConfig(f"sched_depth applies to dynamic schedulers only, not {cfg.scheduler}")
+    if cfg.scheduler == "dynamic_persistent" and cfg.sched_depth > 2:
+        raise InvalidConfig("the atomic scheduler claims at most one tile ahead: sched_depth 1 or 2")
     if cfg.tail_cancel and cfg.scheduler != "clc":
         raise InvalidConfig("tail_cancel applies to the clc scheduler only")
     if cfg.swizzle > 1 and cfg.scheduler == "single_tile":

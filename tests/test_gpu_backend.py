@@ -271,6 +271,10 @@ def test_grouped_baselines_are_correct(gpu):
     assert moe.ok and moe.rel_err < 1e-2, moe.error
     mixed = gpu.baseline(_gpu_key(gpu, 512, 1024, 4096, groups=3, group_k=(1024, 2048, 4096)))
     assert mixed.ok and mixed.rel_err < 1e-2, mixed.error
+    loop, = gpu.remeasure(_gpu_key(gpu, 4096, 1024, 2048, groups=8), [worker.CUBLAS_LOOP])
+    assert loop.ok and loop.rel_err < 1e-2, loop.error
+    refused, = gpu.remeasure(_gpu_key(gpu, 512, 1024, 4096), [worker.CUBLAS_LOOP])
+    assert "MoE" in refused.error
 
 
 @pytest.mark.gpu

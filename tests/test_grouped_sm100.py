@@ -27,7 +27,7 @@ OFFLINE = [
     _v(scheduler="static_persistent"),
     _v("nn", scheduler="static_persistent", **_TWO_CTA),
     _v(scheduler="dynamic_persistent", sched_depth=2),
-    _v("nn", scheduler="dynamic_persistent", sched_depth=3, **_TWO_CTA),
+    _v("nn", scheduler="dynamic_persistent", sched_depth=2, **_TWO_CTA),
     _v(scheduler="clc", sched_depth=1),
     _v("nn", scheduler="clc", sched_depth=1, tail_cancel=True),
     _v(scheduler="clc", sched_depth=2, **_TWO_CTA),

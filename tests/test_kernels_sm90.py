@@ -36,7 +36,7 @@ OFFLINE = [
     _v(scheduler=SINGLE, tile_m=256, tile_n=64, cluster_n=2, stages=3),
     _v(scheduler=DYN),
     _v("nn", scheduler=DYN, tile_m=128, tile_n=256, sched_depth=2, cluster_m=2),
-    _v(scheduler=DYN, tile_m=64, tile_n=160, sched_depth=3, cluster_n=2, swizzle=4, raster="n"),
+    _v(scheduler=DYN, tile_m=64, tile_n=160, sched_depth=2, cluster_n=2, swizzle=4, raster="n"),
     _v("nn", scheduler=DYN, tile_m=256, tile_n=128, stages=3, cluster_m=2, swizzle=2),
     _v(scheduler=DYN, cluster_m=2, cluster_n=2, sched_depth=2),
     _v(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128),
@@ -46,6 +46,10 @@ OFFLINE = [
     _v("nn", scheduler=DYN, dtype_out="fp32", tile_n=64),
     _v(scheduler=STATIC, dtype_in="fp16", dtype_out="fp16", tile_n=160),
     _v("nn", scheduler=SINGLE, dtype_in="fp16", dtype_out="fp32", tile_m=64),
+    _v(scheduler=STATIC, tile_n=224, stages=4),
+    _v("nn", scheduler=DYN, tile_n=224, stages=4, cluster_m=2),
+    _v(scheduler=STATIC, split_k=3, tile_n=192),
+    _v("nn", scheduler=DYN, split_k=3, tile_m=64, tile_n=224, sched_depth=2),
 ]
 
 
@@ -96,11 +100,13 @@ GPU_CONFIGS = [
     GemmConfig(scheduler=STATIC, tile_m=256, tile_n=128, stages=3, cluster_n=2, raster="n", swizzle=2),
     GemmConfig(scheduler=STATIC, tile_m=64, tile_n=256, stages=5, cluster_m=2, cluster_n=2),
     GemmConfig(scheduler=DYN),
-    GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, sched_depth=3, cluster_m=2, swizzle=4),
+    GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, sched_depth=2, cluster_m=2, swizzle=4),
     GemmConfig(scheduler=DYN, tile_m=64, tile_n=160, sched_depth=2, cluster_n=2, raster="n"),
     GemmConfig(scheduler=DYN, tile_m=256, tile_n=64, stages=4, cluster_m=2, sched_depth=2),
     GemmConfig(scheduler=DYN, tile_n=192, stages=3, cluster_m=2, cluster_n=2, sched_depth=2),
     GemmConfig(scheduler=STATIC, tile_n=160, cluster_m=2, raster="n", swizzle=8),
+    GemmConfig(scheduler=STATIC, tile_n=224, stages=4, swizzle=4),
+    GemmConfig(scheduler=DYN, tile_n=224, stages=4, cluster_m=2),
 ]
 SPLIT_K_CONFIGS = [
     GemmConfig(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128),
@@ -108,11 +114,13 @@ SPLIT_K_CONFIGS = [
     # More CTAs than fit at once: no slice may wait for another.
     GemmConfig(scheduler=SINGLE, split_k=8, tile_m=64, tile_n=64),
     GemmConfig(scheduler=STATIC, split_k=2, tile_m=128, tile_n=192, cluster_m=2),
+    GemmConfig(scheduler=DYN, split_k=3, tile_m=128, tile_n=224),
 ]
 # Sizes off every tile multiple, a single row, a single k-block, N = 8.
 SHAPES = [(1, 256, 4096), (300, 200, 136), (1000, 1000, 1000), (129, 8, 520), (77, 264, 8), (2048, 1536, 1024)]
 # Run in a row on one scratch buffer: a semaphore left set would break the next.
-SPLIT_K_SHAPES = [(1, 256, 4096), (300, 200, 1024), (129, 8, 2048), (1000, 3000, 4096), (300, 200, 1024)]
+# K is a multiple of 3 x 8 so that every slice count of SPLIT_K_CONFIGS applies.
+SPLIT_K_SHAPES = [(1, 256, 4608), (300, 200, 1536), (129, 8, 2304), (1000, 3000, 4608), (300, 200, 1536)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

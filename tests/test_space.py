@@ -17,10 +17,10 @@ def test_sm90_pool_size_and_scheduler_split():
     assert len(configs) == len(set(configs))
     by_sched = {s: sum(c.scheduler == s for c in configs) for s in space.SCHEDULERS}
     assert by_sched["clc"] == 0
-    # Three prefetch depths for the atomic scheduler; single_tile has no swizzle.
-    assert by_sched["dynamic_persistent"] == 3 * by_sched["static_persistent"]
+    # Two claim depths for the atomic scheduler; single_tile has no swizzle.
+    assert by_sched["dynamic_persistent"] == 2 * by_sched["static_persistent"]
     assert by_sched["single_tile"] * 4 == by_sched["static_persistent"]
-    assert len(configs) == 35224
+    assert len(configs) == 37128
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def test_sm90_pool_size_and_scheduler_split():
         dict(tile_m=128, tile_n=256, stages=4),
         dict(tile_m=256, tile_n=128, stages=3),
         dict(tile_m=64, tile_n=256, stages=5, cluster_m=2),
-        dict(scheduler="dynamic_persistent", sched_depth=3),
+        dict(scheduler="dynamic_persistent", sched_depth=2),
         dict(split_k=4, tile_m=64, tile_n=128),
         dict(arch="sm100", tile_m=256, tile_n=256, cta_group=2, cluster_m=2, acc_stages=2, stages=4),
         dict(arch="sm100", scheduler="clc", sched_depth=3, tail_cancel=True, cluster_m=4, cluster_n=4),
@@ -48,6 +48,7 @@ def test_accepted(fields):
         (dict(scheduler="clc"), "scheduler='clc'"),
         (dict(scheduler="static_persistent", sched_depth=2), "sched_depth applies"),
         (dict(tail_cancel=True), "tail_cancel="),
+        (dict(arch="sm100", scheduler="dynamic_persistent", sched_depth=3), "one tile ahead"),
         (dict(scheduler="single_tile", swizzle=4), "single_tile"),
         (dict(cluster_m=2, cluster_n=4), "cluster_n=4"),
         (dict(tile_n=72), "tile_n=72"),

@@ -9,7 +9,8 @@ context is gone and the worker exits after sending it. Anything else printed
 Requests: {"op": "hello"}, {"op": "compile", "configs": [...]},
 {"op": "measure", "problem": {...}, "config": {...} | null, "check": bool},
 {"op": "remeasure", "problem": {...}, "configs": [...], "check": [bool, ...],
-"rounds": int}. A null config is the cuBLAS baseline.
+"rounds": int}. A null config is the cuBLAS baseline; "cublas_loop" times an
+MoE problem as one cuBLAS call per group.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ ROTATION_MEMORY_SHARE = 0.5
 # Timing plan: one graph replay (or event pair) spans at least this long, and
 # a measurement aims at TIMED_MS of replays, within [MIN_REPLAYS, MAX_REPLAYS].
 REPLAY_MS = 1.0
-TIMED_MS = 60.0
+TIMED_MS = 30.0
 MIN_REPLAYS = 5
 MAX_REPLAYS = 100
 MAX_LAUNCHES_PER_REPLAY = 256
@@ -50,6 +51,9 @@ WARMUP_LAUNCHES = 3
 DEFAULT_L2_BYTES = 50 * 1024 * 1024
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# In a config list: one cuBLAS call per group of an MoE problem (a reference
+# for benchmarks; null is the baseline the tuner compares against).
+CUBLAS_LOOP = "cublas_loop"
 
 
 def set_bytes(problem: dict) -> int:
@@ -204,8 +208,9 @@ def _reference(p: dict, ops: _Operands):
     return mm(a, b)
 
 
-def _baseline_launch(p: dict) -> Callable:
-    """The cuBLAS path (through torch) for `p`: a function of one operand set."""
+def _baseline_launch(p: dict, per_group: bool = False) -> Callable:
+    """The cuBLAS path (through torch) for `p`: a function of one operand set;
+    with `per_group`, an MoE problem as one cuBLAS call per group."""
     import torch
     import torch.nn.functional as F
 
@@ -225,6 +230,15 @@ def _baseline_launch(p: dict) -> Callable:
                 out[i].copy_(dense(a[:, s:e], b[:, s:e] if tn else b[s:e]))
             return out
         return per_group_k
+    if p["groups"] > 1 and per_group:
+        bounds = _bounds(p)
+
+        def loop(a, b, offs, out):
+            for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
+                if e > s:
+                    out[s:e].copy_(dense(a[s:e], b[i]))
+            return out
+        return loop
     if p["groups"] > 1:
         def grouped(a, b, offs, out):
             return torch._grouped_mm(a, b.transpose(-2, -1) if tn else b, offs=offs, out_dtype=dout)
@@ -431,8 +445,10 @@ class Worker:
             "versions": versions(p.name), "torch_cuda": torch.version.cuda,
         }
 
-    def _launch(self, cfg: dict | None, p: dict) -> Callable:
-        return _baseline_launch(p) if cfg is None else _pool_launch(cfg, p)
+    def _launch(self, cfg: dict | str | None, p: dict) -> Callable:
+        if cfg is None or cfg == CUBLAS_LOOP:
+            return _baseline_launch(p, per_group=cfg == CUBLAS_LOOP)
+        return _pool_launch(cfg, p)
 
     def measure(self, req: dict) -> dict:
         return self._run(req["problem"], [req["config"]], [req.get("check", True)], rounds=None)[0]

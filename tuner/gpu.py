@@ -32,6 +32,7 @@ from pathlib import Path
 
 from kernels.grouped import MAX_GROUPS
 from kernels.space import TILE_K, GemmConfig, InvalidConfig, check_problem
+from tuner._gpu_worker import CUBLAS_LOOP
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
 
@@ -46,6 +47,7 @@ REMEASURE_ROUNDS = 15
 _CAPABILITY = {"sm90": (9, 0), "sm100": (10, 0)}
 _STDERR_LINES = 40
 GROUPED_NOT_IN_POOL = "grouped GEMM not in the pool yet"
+
 # Archs whose pool has grouped kernels (`kernels.compile` grouped classes).
 _GROUPED_ARCHS = ("sm90",)
 
@@ -293,9 +295,10 @@ class GpuBackend:
             return _failed(refusal)
         return self._measure_one(key, None)
 
-    def remeasure(self, key: Key, cfgs: list[GemmConfig | None],
+    def remeasure(self, key: Key, cfgs: list[GemmConfig | None | str],
                   rounds: int = REMEASURE_ROUNDS) -> list[Measurement]:
-        """Time `cfgs` (None = cuBLAS) round robin, `rounds` replays each; medians."""
+        """Time `cfgs` (None = cuBLAS, CUBLAS_LOOP = cuBLAS per group) round robin,
+        `rounds` replays each; medians."""
         refusals = [self._refuse(key, cfg) for cfg in cfgs]
         runnable = [i for i, r in enumerate(refusals) if not r]
         out = [_failed(r) if r else None for r in refusals]
@@ -339,6 +342,8 @@ class GpuBackend:
             return f"cannot hold {p.carveout} of {self.sm_count} SMs"
         if cfg is None:
             return None
+        if cfg == CUBLAS_LOOP:
+            return None if p.groups > 1 and not p.group_k else "a per-group cuBLAS loop needs an MoE problem"
         if cfg.arch != self.arch:
             return f"config is for {cfg.arch}; this backend measures {self.arch}"
         if p.groups > 1:
@@ -376,9 +381,9 @@ def _grouped_refusal(cfg: GemmConfig, p: Problem) -> str | None:
     return None
 
 
-def _cfg_json(cfg: GemmConfig | None) -> dict | None:
-    return None if cfg is None else cfg.to_dict()
+def _cfg_json(cfg: GemmConfig | None | str) -> dict | str | None:
+    return cfg if cfg is None or cfg == CUBLAS_LOOP else cfg.to_dict()
 
 
-def _cfg_name(cfg: GemmConfig | None) -> str:
-    return "cublas" if cfg is None else cfg.name()
+def _cfg_name(cfg: GemmConfig | None | str) -> str:
+    return "cublas" if cfg is None else cfg if cfg == CUBLAS_LOOP else cfg.name()

@@ -26,10 +26,12 @@ A prediction has three layers:
 
 Scheduler semantics modelled (the kernels must match them):
 - `sched_depth` is the number of claims in flight. Depth 1 claims the next
-  tile when the current tile's mainloop ends, so the claim's round trip
-  overlaps the epilogue and nothing is reserved early. Depth d > 1 keeps
+  tile when the current tile's last loads are issued (a few k-blocks before
+  its mainloop ends), so the claim's round trip overlaps the end of the
+  mainloop and the epilogue and nothing is reserved early. Depth d > 1 keeps
   d - 1 tiles claimed ahead (the claim for a worker's tile p is issued when
-  its tile p - d + 1 starts): latency is hidden, balance is lost.
+  its tile p - d + 1 starts; the atomic scheduler stops at d = 2): latency
+  is hidden, balance is lost.
 - A dynamic persistent worker takes its first tile from the counter too, so
   CTAs that cannot launch (SMs held) own no tile; a CLC grid's first wave is
   whatever clusters fit, the rest are cancelled by the running ones.

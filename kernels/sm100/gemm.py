@@ -294,6 +294,7 @@ class Sm100GemmKernel:
             sched = self._scheduler(tiles, ring)
             work = sched.initial_work()
             while work.is_valid:
+                sched.request_next(True)
                 mma_m, mma_n, mma_l = self._mma_tile(work, tiled_mma)
                 tAgA_slice = tAgA[(None, mma_m, None, mma_l)]
                 tBgB_slice = tBgB[(None, mma_n, None, mma_l)]
@@ -301,6 +302,7 @@ class Sm100GemmKernel:
                     ab_producer, k_tile_cnt, tma_atom_a, tAgA_slice, tAsA, a_full_mcast_mask,
                     tma_atom_b, tBgB_slice, tBsB, b_full_mcast_mask,
                 )
+                sched.request_next(False)
                 work = sched.advance()
             ab_producer.tail()
 

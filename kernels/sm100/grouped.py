@@ -240,6 +240,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
             sched = self._scheduler(table, ring)
             work = sched.initial_work()
             while work.is_valid:
+                sched.request_next(True)
                 m, n, g = work.tile
                 row0 = table.bounds[g] + (m // cute.size(tiled_mma.thr_id.shape)) * mma_m_rows
                 # (bM, bK, RestK) of this tile, from its group's first row.
@@ -252,6 +253,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
                     ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_full_mcast_mask,
                     tma_atom_b, tBgB[(None, n, None, g)], tBsB, b_full_mcast_mask,
                 )
+                sched.request_next(False)
                 work = sched.advance()
             ab_producer.tail()
 

@@ -271,6 +271,7 @@ class Sm90GemmKernel:
                 work = sched.initial_work()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while work.is_valid:
+                    sched.request_next(True)
                     m, n, l = work.tile
                     tAgA_t = tAgA[(None, m, None, l)]
                     tBgB_t = tBgB[(None, n, None, l)]
@@ -281,6 +282,7 @@ class Sm90GemmKernel:
                         cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
                         load_pipe.producer_commit(state)
                         state.advance()
+                    sched.request_next(False)
                     work = sched.advance()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:

@@ -188,6 +188,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                 work = sched.initial_work()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while work.is_valid:
+                    sched.request_next(True)
                     m, n, g = work.tile
                     row0, k0, k_tiles, la, lb, _, _ = self._placement(table, m, g, mA.shape[1])
                     gA = cute.local_tile(cute.domain_offset((row0, k0, 0), mA), (tm, tk), (0, None, la))
@@ -213,6 +214,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                         cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
                         load_pipe.producer_commit(state)
                         state.advance()
+                    sched.request_next(False)
                     work = sched.advance()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:
