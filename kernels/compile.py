@@ -27,6 +27,7 @@ import struct
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,8 +283,9 @@ def _export(compiled, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _compile_to_disk(v: Variant) -> str:
-    path = _cache_path(v)
+def _compile_to_disk(job: tuple[Variant, Path]) -> str:
+    # The parent names the path: a pooled worker outlives changes to its cache dir.
+    v, path = job
     if not path.exists():
         _export(_compile(v)[0], path)
     return str(path)
@@ -326,9 +328,20 @@ def compile_many(
     ]
     for arch in sorted({v.cfg.arch for v in todo}):
         batch = [v for v in todo if v.cfg.arch == arch]
-        with _spawn_pool(max(1, min(workers, len(batch))), arch) as pool:
-            list(pool.map(_compile_to_disk, batch))
+        key = (arch, max(1, workers))
+        if key not in _pools:
+            _pools[key] = _spawn_pool(key[1], arch)
+        try:
+            list(_pools[key].map(_compile_to_disk, [(v, _cache_path(v)) for v in batch]))
+        except BrokenProcessPool:
+            _pools.pop(key).shutdown(wait=False)
+            raise
     return len(todo)
+
+
+# compile_many's worker pools live as long as the process: a spawned worker
+# imports the DSL (seconds), too slow to pay again for every tuned key.
+_pools: dict[tuple[str, int], ProcessPoolExecutor] = {}
 
 
 # ---------------------------------------------------------------- runners
