@@ -294,15 +294,13 @@ class Sm100GemmKernel:
             sched = self._scheduler(tiles, ring)
             work = sched.initial_work()
             while work.is_valid:
-                sched.request_next(True)
                 mma_m, mma_n, mma_l = self._mma_tile(work, tiled_mma)
                 tAgA_slice = tAgA[(None, mma_m, None, mma_l)]
                 tBgB_slice = tBgB[(None, mma_n, None, mma_l)]
                 ab_producer = self._load_tile(
-                    ab_producer, k_tile_cnt, tma_atom_a, tAgA_slice, tAsA, a_full_mcast_mask,
+                    sched, ab_producer, k_tile_cnt, tma_atom_a, tAgA_slice, tAsA, a_full_mcast_mask,
                     tma_atom_b, tBgB_slice, tBsB, b_full_mcast_mask,
                 )
-                sched.request_next(False)
                 work = sched.advance()
             ab_producer.tail()
 
@@ -417,10 +415,13 @@ class Sm100GemmKernel:
 
     @cute.jit
     def _load_tile(
-        self, ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB, b_mcast_mask,
+        self, sched, ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB,
+        b_mcast_mask,
     ):
-        """TMA loads of one tile's k-blocks of A and B into the stage ring; returns
-        the producer, whose ring position the caller carries to the next tile."""
+        """TMA loads of one tile's k-blocks of A and B into the stage ring,
+        between the two claim requests of `sched`; returns the producer, whose
+        ring position the caller carries to the next tile."""
+        sched.request_next(True)
         ab_producer.reset()
         peek_empty = ab_producer.try_acquire()
         for _k in cutlass.range(0, k_tile_cnt, 1, unroll=1):
@@ -436,6 +437,7 @@ class Sm100GemmKernel:
             peek_empty = cutlass.Boolean(1)
             if handle.count + 1 < k_tile_cnt:
                 peek_empty = ab_producer.try_acquire()
+        sched.request_next(False)
         return ab_producer
 
     @cute.jit

@@ -240,7 +240,6 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
             sched = self._scheduler(table, ring)
             work = sched.initial_work()
             while work.is_valid:
-                sched.request_next(True)
                 m, n, g = work.tile
                 row0 = table.bounds[g] + (m // cute.size(tiled_mma.thr_id.shape)) * mma_m_rows
                 # (bM, bK, RestK) of this tile, from its group's first row.
@@ -250,10 +249,9 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
                     cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
                 )
                 ab_producer = self._load_tile(
-                    ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_full_mcast_mask,
+                    sched, ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_full_mcast_mask,
                     tma_atom_b, tBgB[(None, n, None, g)], tBsB, b_full_mcast_mask,
                 )
-                sched.request_next(False)
                 work = sched.advance()
             ab_producer.tail()
 

@@ -271,18 +271,11 @@ class Sm90GemmKernel:
                 work = sched.initial_work()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while work.is_valid:
-                    sched.request_next(True)
                     m, n, l = work.tile
-                    tAgA_t = tAgA[(None, m, None, l)]
-                    tBgB_t = tBgB[(None, n, None, l)]
-                    for kt in range(k_tiles):
-                        load_pipe.producer_acquire(state)
-                        bar = load_pipe.producer_get_barrier(state)
-                        cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-                        load_pipe.producer_commit(state)
-                        state.advance()
-                    sched.request_next(False)
+                    state = self._load_tile(
+                        sched, load_pipe, state, k_tiles, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
+                        tma_b, tBgB[(None, n, None, l)], tBsB, b_mask,
+                    )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:
@@ -403,6 +396,22 @@ class Sm90GemmKernel:
                 self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(), self.ring_consumer_warps
             )
         return load_pipe, ring
+
+    @cute.jit
+    def _load_tile(self, sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
+        """The load warp's share of one tile: its `k_tiles` k-blocks of A and B
+        into the ring, between the two claim requests of `sched`; returns the
+        ring state the next tile continues from."""
+        sched.request_next(True)
+        for kt in range(k_tiles):
+            load_pipe.producer_acquire(state)
+            bar = load_pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+            load_pipe.producer_commit(state)
+            state.advance()
+        sched.request_next(False)
+        return state
 
     @cute.jit
     def _mma_tile(self, tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release):

@@ -188,7 +188,6 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                 work = sched.initial_work()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while work.is_valid:
-                    sched.request_next(True)
                     m, n, g = work.tile
                     row0, k0, k_tiles, la, lb, _, _ = self._placement(table, m, g, mA.shape[1])
                     gA = cute.local_tile(cute.domain_offset((row0, k0, 0), mA), (tm, tk), (0, None, la))
@@ -207,14 +206,9 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                         cute.group_modes(sB, 0, 2),
                         cute.group_modes(gB, 0, 2),
                     )
-                    for kt in range(k_tiles):
-                        load_pipe.producer_acquire(state)
-                        bar = load_pipe.producer_get_barrier(state)
-                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-                        cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-                        load_pipe.producer_commit(state)
-                        state.advance()
-                    sched.request_next(False)
+                    state = self._load_tile(
+                        sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
+                    )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:
