@@ -286,14 +286,13 @@ def _pool_launch(cfg_dict: dict, p: dict) -> Callable:
 
 
 def _compile(configs: list[dict]) -> dict:
-    """Compile ahead of measuring, in parallel where kernels.compile offers it."""
+    """Compile ahead of measuring, in parallel worker processes."""
     import kernels.compile as kc
     from kernels.space import GemmConfig
 
     cfgs = [GemmConfig.from_dict(c) for c in configs]
     started = time.perf_counter()
-    if hasattr(kc, "compile_many"):
-        kc.compile_many(cfgs, workers=min(8, os.cpu_count() or 1))
+    kc.compile_many(cfgs, workers=min(8, os.cpu_count() or 1))
     return {"ok": True, "compiled": len(cfgs), "seconds": time.perf_counter() - started}
 
 
