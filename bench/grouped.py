@@ -4,14 +4,15 @@
 
 (a) seed000: four problems of 1024 x 1024 with K = 1024, K, 1024, K packed
     along K, K from 1024 to 32768. Same tile for both schedulers (128 x 128,
-    clusters of 1 x 1 and 2 x 2), the scheduler the only change; the per-group cuBLAS
-    loop for reference. Static persistence deals the long-K tiles of groups
+    clusters of 1 x 1 and 2 x 2, with and without the L2 prefetch), the
+    scheduler the only change; the per-group cuBLAS loop for reference. Static persistence deals the long-K tiles of groups
     1 and 3 to the same CTAs; the dynamic scheduler hands each to a free CTA.
 (b) moe: MoE keys (8 and 64 experts, hidden sizes 2048 to 7168), balanced
     (skew 0) and skewed (`tuner._gpu_worker.DEFAULT_GROUP_SKEW`) routing, one
-    with SMs held by another kernel; a few pool configs per key, the best
-    re-measured interleaved with `torch._grouped_mm` and with a loop of
-    cuBLAS calls, one per expert.
+    with SMs held by another kernel. Each key is tuned as `tuner tune` does
+    (`--trials` measured configs, a few hand-picked tiles among the first),
+    and its best pool config re-measured interleaved with `torch._grouped_mm`
+    and with a loop of cuBLAS calls, one per expert.
 
 All times come from `tuner.gpu.GpuBackend` (CUDA graph replays, operands
 rotated through more than L2). Writes `<out>/<device-slug>-grouped.json`.
@@ -23,19 +24,28 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 from bench.kernels_sm90 import ARCH, device_slug, max_stages
+from db.store import Store
 from kernels.space import GemmConfig
 from tuner._gpu_worker import CUBLAS_LOOP, DEFAULT_GROUP_SKEW
 from tuner.gpu import GpuBackend
 from tuner.key import Key, Problem
+from tuner.search import Budget, tune_key
 
 SEED000_K = [2 ** e for e in range(10, 16)]
 # 128 x 128 tiles give 64 per group: two waves on 132 SMs, the case where
 # static persistence stacks long-K tiles. The 2 x 2 cluster multicasts A and
-# B, halving the L2 traffic per CTA that bounds the 1 x 1 cluster at long K.
-SEED000_TILES = (dict(tile_m=128, tile_n=128), dict(tile_m=128, tile_n=128, cluster_m=2, cluster_n=2))
+# B, halving their L2 traffic per CTA. Every operand byte here is used by only
+# 8 tiles, so A and B stream from DRAM, and a K-major row is read 128 bytes per
+# k-block; the l2_prefetch variants read it in 512-byte runs.
+SEED000_TILES = tuple(
+    dict(tile_m=128, tile_n=128, **cluster, l2_prefetch=prefetch)
+    for cluster in ({}, dict(cluster_m=2, cluster_n=2))
+    for prefetch in (False, True)
+)
 # (experts, routed rows, N, K): up and down projections of two MoE sizes.
 MOE_KEYS = [
     (8, 16384, 4096, 2048),
@@ -93,33 +103,47 @@ def _moe_problems() -> list[tuple[Problem, float]]:
     return out + [(Problem(m, n, k, groups=g, carveout=HELD_SMS), DEFAULT_GROUP_SKEW)]
 
 
-def moe(device: int) -> list[dict]:
-    cfgs = [_cfg(s, **tile) for tile in MOE_TILES for s in _SCHEDULERS]
+def moe(device: int, trials: int) -> list[dict]:
     records = []
-    for skew in (0.0, DEFAULT_GROUP_SKEW):
-        with GpuBackend(ARCH, device, group_skew=skew) as backend:
-            for p, s in _moe_problems():
-                if s != skew:
-                    continue
-                key = Key(ARCH, backend.device_name, p)
-                rec = {"part": "moe", "experts": p.groups, "M": p.m, "N": p.n, "K": p.k,
-                       "skew": skew, "held_sms": p.carveout}
-                timed = [(m.ms, c) for c in cfgs if (m := backend.measure(key, c)).ok]
-                if not timed:
-                    rec["error"] = backend.measure(key, cfgs[0]).error
-                    records.append(rec)
-                    continue
-                best = min(timed, key=lambda t: t[0])[1]
-                pool, torch_mm, loop = backend.remeasure(key, [best, None, CUBLAS_LOOP])
-                rec.update(config=best.name(), pool_ms=pool.ms, grouped_mm_ms=torch_mm.ms,
-                           cublas_loop_ms=loop.ms if loop.ok else None)
-                if pool.ok and torch_mm.ok:
-                    rec["pool_over_grouped_mm"] = torch_mm.ms / pool.ms
-                if pool.ok and loop.ok:
-                    rec["pool_over_cublas_loop"] = loop.ms / pool.ms
-                records.append(rec)
-                print(json.dumps(rec), file=sys.stderr)
+    seeds = [_cfg(s, **tile) for tile in MOE_TILES for s in _SCHEDULERS]
+    with tempfile.TemporaryDirectory() as tmp:
+        for skew in (0.0, DEFAULT_GROUP_SKEW):
+            # Keys do not name the routing: each skew tunes into its own database.
+            store = Store(f"sqlite:///{tmp}/moe-skew{skew}.db")
+            try:
+                with GpuBackend(ARCH, device, group_skew=skew) as backend:
+                    for p, s in _moe_problems():
+                        if s == skew:
+                            records.append(_moe_key(backend, store, Key(ARCH, backend.device_name, p), skew,
+                                                    seeds, trials))
+                            print(json.dumps(records[-1]), file=sys.stderr)
+            finally:
+                store.close()
     return records
+
+
+def _moe_key(backend: GpuBackend, store: Store, key: Key, skew: float, seeds: list[GemmConfig],
+             trials: int) -> dict:
+    """Tune `key` as `tuner tune` does (the hand-picked tiles measured first), then
+    time the best pool config interleaved with torch._grouped_mm and the cuBLAS loop."""
+    p = key.problem
+    rec = {"part": "moe", "experts": p.groups, "M": p.m, "N": p.n, "K": p.k, "skew": skew,
+           "held_sms": p.carveout}
+    tuned = tune_key(key, backend, store, Budget(trials=trials), seeds=seeds).winner
+    env_id = store.environment(backend.name, key.arch, key.device, backend.versions())
+    pool = [t for t in store.trials(store.key_id(key.to_dict()), env_id) if t.ok and t.config]
+    if not pool:
+        rec["error"] = "no pool config ran"
+        return rec
+    best = GemmConfig.from_dict(min(pool, key=lambda t: t.ms).config)
+    res, torch_mm, loop = backend.remeasure(key, [best, None, CUBLAS_LOOP])
+    rec.update(config=best.name(), trials=tuned.trials, pool_ms=res.ms, grouped_mm_ms=torch_mm.ms,
+               cublas_loop_ms=loop.ms if loop.ok else None)
+    if res.ok and torch_mm.ok:
+        rec["pool_over_grouped_mm"] = torch_mm.ms / res.ms
+    if res.ok and loop.ok:
+        rec["pool_over_cublas_loop"] = loop.ms / res.ms
+    return rec
 
 
 def geomean(values: list[float]) -> float | None:
@@ -158,7 +182,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             device_name, versions = backend.device_name, backend.versions()
             records += seed000(backend)
     if "moe" in args.part:
-        records += moe(args.device)
+        records += moe(args.device, args.trials)
     if records:
         if device_name is None:
             with GpuBackend(ARCH, args.device) as backend:
@@ -176,6 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--part", nargs="+", choices=("seed000", "moe"), default=["seed000", "moe"])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--trials", type=int, default=24, help="Measured trials per MoE key.")
     return parser.parse_args(argv)
 
 

@@ -16,7 +16,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import optuna
 
@@ -65,8 +65,12 @@ class _Failed(Exception):
 def tune_key(
     key: Key, backend: Backend, store: Store, budget: Budget, *, name: str = "",
     force: bool = False, on_trial: Callable[[int, int], None] | None = None,
+    seeds: Sequence[GemmConfig] = (),
 ) -> Outcome:
     """Search the pool for `key`, store and return the winner.
+
+    A new study first measures `seeds`, then the winners of nearby tuned
+    keys and (measured backends) the model's picks, then samples.
 
     A key whose winner was measured under the backend's current versions is
     skipped unless `force`.
@@ -111,12 +115,13 @@ def tune_key(
         load_if_exists=True,
     )
     if not study.trials:
-        seeds = _warm_start(key, store, backend.arch)
+        first = list(seeds)
+        first += [c for c in _warm_start(key, store, backend.arch) if c not in first]
         if backend.name != "model":
-            seeds += [c for c in model_picks(key) if c not in seeds]
-        for cfg in seeds:
+            first += [c for c in model_picks(key) if c not in first]
+        for cfg in first:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)
-        _prepare(backend, seeds)
+        _prepare(backend, first)
 
     def objective(trial: optuna.Trial) -> float:
         try:
