@@ -5,8 +5,8 @@
 (a) seed000: four problems of 1024 x 1024 with K = 1024, K, 1024, K packed
     along K, K from 1024 to 32768. Same config for both schedulers (128 x 128
     and 128 x 192 tiles, clusters, with and without the L2 prefetch), the
-    scheduler the only change; the per-group cuBLAS loop for reference. Static persistence deals the long-K tiles of groups
-    1 and 3 to the same CTAs; the dynamic scheduler hands each to a free CTA.
+    scheduler the only change; the per-group cuBLAS loop for reference.
+    Static persistence deals the long-K tiles of groups 1 and 3 to the same CTAs; the dynamic scheduler hands each to a free CTA.
 (b) moe: MoE keys (8 and 64 experts, hidden sizes 2048 to 7168), balanced
     (skew 0) and skewed (`tuner._gpu_worker.DEFAULT_GROUP_SKEW`) routing, one
     with SMs held by another kernel. Each key is tuned as `tuner tune` does

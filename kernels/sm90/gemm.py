@@ -267,8 +267,6 @@ class Sm90GemmKernel:
         gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
         k_tiles = cute.size(gA, mode=[3])
         grid = TileGrid.of(self._work_shape(mC), self.tile_mn, self.cluster_mn)
-        # (box, tiles_m or tiles_n, spans, l)
-        pf_a, pf_b = self._prefetch_boxes(prefetch, storage, (None, None, None), (None, None, None))
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a,
@@ -285,6 +283,9 @@ class Sm90GemmKernel:
             cute.group_modes(gB, 0, 2),
         )
 
+        # boxes: (box, tiles_m or tiles_n, spans, l)
+        pf_plan = self._prefetch_plan(prefetch, storage, cluster_coord, (None, None, None), (None, None, None))
+
         group_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_GROUP)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
@@ -299,7 +300,7 @@ class Sm90GemmKernel:
                     state = self._load_tile(
                         sched, load_pipe, state, k_tiles, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
                         tma_b, tBgB[(None, n, None, l)], tBsB, b_mask,
-                        self._prefetch_tile(prefetch, cluster_coord, pf_a, pf_b, (None, m, None, l), (None, n, None, l)),
+                        self._prefetch_tile(pf_plan, (None, m, None, l), (None, n, None, l)),
                     )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
@@ -430,12 +431,14 @@ class Sm90GemmKernel:
             for atom in atoms:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
-    def _prefetch_boxes(self, prefetch, storage, coord_a, coord_b):
-        """The prefetch boxes of A and of B over the TMA tensors of `prefetch`
-        tiled at `coord_a` / `coord_b` (with a span mode), partitioned for
-        the TMA; (None, None) without `l2_prefetch`."""
+    def _prefetch_plan(self, prefetch, storage, cluster_coord, coord_a, coord_b):
+        """What the load warp prefetches: (atom, boxes, whether this CTA issues
+        them) for A, then B, the boxes tiled from the TMA tensors of `prefetch`
+        at `coord_a` / `coord_b` (keeping a span mode); None without
+        `l2_prefetch`. A multicast operand is prefetched by one of the CTAs
+        sharing it."""
         if const_expr(prefetch is None):
-            return None, None
+            return None
         tma_pa, pa, tma_pb, pb = prefetch
         tm, tn, tk = self.tile_mnk
         depth = tk * L2_PREFETCH_SPAN
@@ -450,18 +453,17 @@ class Sm90GemmKernel:
             return boxes
 
         return (
-            partition(tma_pa, pa, tm, storage.sA.data_ptr(), coord_a),
-            partition(tma_pb, pb, tn, storage.sB.data_ptr(), coord_b),
+            tma_pa, partition(tma_pa, pa, tm, storage.sA.data_ptr(), coord_a), cluster_coord[1] == 0,
+            tma_pb, partition(tma_pb, pb, tn, storage.sB.data_ptr(), coord_b), cluster_coord[0] == 0,
         )
 
     @staticmethod
-    def _prefetch_tile(prefetch, cluster_coord, pf_a, pf_b, tile_a, tile_b):
-        """What `_load_tile` prefetches for one tile: (atom, boxes by span,
-        whether this CTA issues them) for A, then B; None without `l2_prefetch`.
-        A multicast operand is prefetched by one CTA of the CTAs sharing it."""
-        if const_expr(prefetch is None):
+    def _prefetch_tile(plan, tile_a, tile_b):
+        """`plan` narrowed to one tile's boxes (by span)."""
+        if const_expr(plan is None):
             return None
-        return (prefetch[0], pf_a[tile_a], cluster_coord[1] == 0, prefetch[2], pf_b[tile_b], cluster_coord[0] == 0)
+        tma_pa, boxes_a, lead_a, tma_pb, boxes_b, lead_b = plan
+        return tma_pa, boxes_a[tile_a], lead_a, tma_pb, boxes_b[tile_b], lead_b
 
     @cute.jit
     def _prefetch_span(self, pf, span, k_tiles) -> None:
@@ -479,7 +481,7 @@ class Sm90GemmKernel:
     ):
         """The load warp's share of one tile: its `k_tiles` k-blocks of A and B
         into the ring, between the two claim requests of `sched`, with `pf`
-        (see `_prefetch_tile`) the L2 prefetches running ahead of them;
+        (see `_prefetch_plan`) the L2 prefetches running ahead of them;
         returns the ring state the next tile continues from."""
         sched.request_next(True)
         if const_expr(pf is not None):

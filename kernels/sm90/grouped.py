@@ -206,12 +206,11 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                         cute.group_modes(sB, 0, 2),
                         cute.group_modes(gB, 0, 2),
                     )
-                    pf_a, pf_b = self._prefetch_boxes(
-                        self._offset_prefetch(prefetch, row0, k0), storage, (0, None, la), (n, None, lb)
+                    pf_plan = self._prefetch_plan(
+                        self._offset_prefetch(prefetch, row0, k0), storage, cluster_coord, (0, None, la), (n, None, lb)
                     )
                     state = self._load_tile(
-                        sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
-                        self._prefetch_tile(prefetch, cluster_coord, pf_a, pf_b, (None, None), (None, None)),
+                        sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, pf_plan
                     )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
