@@ -4,9 +4,10 @@
 
 (a) seed000: four problems of 1024 x 1024 with K = 1024, K, 1024, K packed
     along K, K from 1024 to 32768. Same config for both schedulers (128 x 128
-    and 128 x 192 tiles, clusters, with and without the L2 prefetch), the
-    scheduler the only change; the per-group cuBLAS loop for reference.
-    Static persistence deals the long-K tiles of groups 1 and 3 to the same CTAs; the dynamic scheduler hands each to a free CTA.
+    and 128 x 192 tiles, with and without clusters), the scheduler the only
+    change; the per-group cuBLAS loop for reference. Static persistence deals
+    the long-K tiles of groups 1 and 3 to the same CTAs; the dynamic scheduler
+    hands each to a free CTA.
 (b) moe: MoE keys (8 and 64 experts, hidden sizes 2048 to 7168), balanced
     (skew 0) and skewed (`tuner._gpu_worker.DEFAULT_GROUP_SKEW`) routing, one
     with SMs held by another kernel. Each key is tuned as `tuner tune` does
@@ -15,7 +16,9 @@
     and with a loop of cuBLAS calls, one per expert.
 
 All times come from `tuner.gpu.GpuBackend` (CUDA graph replays, operands
-rotated through more than L2). Writes `<out>/<device-slug>-grouped.json`.
+rotated through more than L2). Writes `<out>/<device-slug>-grouped.json`,
+replacing the records of the parts (and MoE skews) it ran and keeping the
+rest, so the parts may run in separate processes.
 """
 
 from __future__ import annotations
@@ -37,19 +40,20 @@ from tuner.search import Budget, tune_key
 
 SEED000_K = [2 ** e for e in range(10, 16)]
 # 128 x 128 tiles give 64 per group: two waves on 132 SMs, the case where
-# static persistence stacks long-K tiles (128 x 192: 48 per group, 12 CTAs
-# get two long tiles). Every configuration measured so far moves at most
-# 0.96 TB/s of operands at long K, whatever the scheduler, where the
-# cuBLAS loop reaches 1.33: the variants tell the suspects apart. Clusters
-# multicast A and B (less L2 traffic per CTA); wider tiles load fewer bytes
-# per flop; l2_prefetch reads each K-major row from DRAM in 512-byte runs
-# instead of one 128-byte run per k-block.
+# static persistence stacks two long-K tiles on 60 CTAs (128 x 192: 48 per
+# group, 12 CTAs). With every long tile running at once, the dynamic
+# scheduler's 128 x 128 tiles read A and B from L2 at its peak (ncu: 86 %
+# L2 throughput without a cluster), so the clusters, which multicast A or B
+# to their CTAs, are the lever. A 2 x 2 cluster is not: 30 fit on an H100,
+# fewer than the 32 long cluster tiles.
 SEED000_TILES = (
-    *(dict(tile_m=128, tile_n=128, **cluster, l2_prefetch=prefetch)
-      for cluster in ({}, dict(cluster_m=2, cluster_n=2)) for prefetch in (False, True)),
-    dict(tile_m=128, tile_n=128, cluster_m=2, l2_prefetch=True),
+    dict(tile_m=128, tile_n=128),
+    dict(tile_m=128, tile_n=128, cluster_m=2),
+    dict(tile_m=128, tile_n=128, cluster_n=2),
+    dict(tile_m=128, tile_n=128, cluster_m=2, cluster_n=2),
     dict(tile_m=128, tile_n=192),
-    dict(tile_m=128, tile_n=192, l2_prefetch=True),
+    dict(tile_m=128, tile_n=192, cluster_m=2),
+    dict(tile_m=128, tile_n=192, cluster_n=2),
 )
 # (experts, routed rows, N, K): up and down projections of two MoE sizes.
 MOE_KEYS = [
@@ -108,11 +112,11 @@ def _moe_problems() -> list[tuple[Problem, float]]:
     return out + [(Problem(m, n, k, groups=g, carveout=HELD_SMS), DEFAULT_GROUP_SKEW)]
 
 
-def moe(device: int, trials: int) -> list[dict]:
+def moe(device: int, trials: int, skews: list[float]) -> list[dict]:
     records = []
     seeds = [_cfg(s, **tile) for tile in MOE_TILES for s in _SCHEDULERS]
     with tempfile.TemporaryDirectory() as tmp:
-        for skew in (0.0, DEFAULT_GROUP_SKEW):
+        for skew in skews:
             # Keys do not name the routing: each skew tunes into its own database.
             store = Store(f"sqlite:///{tmp}/moe-skew{skew}.db")
             try:
@@ -180,6 +184,10 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _run_part(record: dict) -> tuple:
+    return record["part"], record.get("skew")
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     records, device_name, versions = [], None, {}
     if "seed000" in args.part:
@@ -187,13 +195,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             device_name, versions = backend.device_name, backend.versions()
             records += seed000(backend)
     if "moe" in args.part:
-        records += moe(args.device, args.trials)
+        records += moe(args.device, args.trials, args.skews)
     if records:
         if device_name is None:
             with GpuBackend(ARCH, args.device) as backend:
                 device_name, versions = backend.device_name, backend.versions()
         out = Path(args.out) / f"{device_slug(device_name)}-grouped.json"
         out.parent.mkdir(parents=True, exist_ok=True)
+        ran = {_run_part(r) for r in records}
+        kept = [r for r in json.loads(out.read_text())["records"] if _run_part(r) not in ran] if out.exists() else []
+        records = sorted(kept + records, key=lambda r: r["part"] != "seed000")
         out.write_text(json.dumps({"device": device_name, "versions": versions, "records": records}, indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
     print(markdown(records))
@@ -206,6 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--trials", type=int, default=24, help="Measured trials per MoE key.")
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, DEFAULT_GROUP_SKEW],
+                        help="MoE routing skews to run.")
     return parser.parse_args(argv)
 
 

@@ -358,13 +358,22 @@ _max_clusters: dict[tuple[int, int], int] = {}
 
 
 def _clusters_per_wave(device_index: int, cluster_size: int) -> int:
-    """Clusters of `cluster_size` CTAs the device runs at once (one CTA per SM)."""
+    """Clusters of `cluster_size` CTAs the device runs at once (one CTA per SM).
+
+    Asked of the driver, not SMs // cluster_size: a cluster lives inside one
+    GPC, so an H100 with 132 SMs holds 30 clusters of 4, not 33. A persistent
+    grid of 33 would leave 3 clusters to start only when others exit, with
+    their first tiles a second wave.
+    """
     key = (device_index, cluster_size)
     if key not in _max_clusters:
         import torch
+        from cutlass.utils import HardwareInfo
 
-        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-        _max_clusters[key] = max(1, sms // cluster_size)
+        # The driver's occupancy query needs the device's context current.
+        torch.zeros(1, device=f"cuda:{device_index}")
+        with torch.cuda.device(device_index):
+            _max_clusters[key] = max(1, HardwareInfo(device_index).get_max_active_clusters(cluster_size))
     return _max_clusters[key]
 
 

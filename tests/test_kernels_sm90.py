@@ -235,3 +235,12 @@ def test_dynamic_under_cuda_graph_replay(cfg):
         assert _rel_err(out, ref) < 2e-2
         assert _rel_err(out2, ref2) < 2e-2
     assert _sched_buf_is_clear()
+
+
+@pytest.mark.gpu
+def test_persistent_grids_hold_only_clusters_that_fit_at_once():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kc._clusters_per_wave(0, 1) == sms
+    # A cluster must fit in one GPC: whole-GPU division overcounts (H100: 30 of 4, not 33).
+    for size in (2, 4):
+        assert 0 < kc._clusters_per_wave(0, size) <= sms // size

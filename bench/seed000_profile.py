@@ -1,0 +1,52 @@
+"""One seed 000 launch for a profiler: the K = 32768 problem of `bench.grouped`.
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+        python -m bench.seed000_profile dynamic_persistent 128 2 1
+
+Arguments: scheduler (or ``cublas`` for the per-group loop), tile_n, cluster_m,
+cluster_n, and optionally K. Two launches run inside the profiler range after
+five warm-up launches. The ncu reports under `bench/results/logs/ncu/` came
+from this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.grouped import _cfg
+from tuner import _gpu_worker as worker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scheduler")
+    parser.add_argument("tile_n", type=int)
+    parser.add_argument("cluster_m", type=int)
+    parser.add_argument("cluster_n", type=int)
+    parser.add_argument("k", type=int, nargs="?", default=32768)
+    args = parser.parse_args()
+    group_k = (1024, args.k, 1024, args.k)
+    p = dict(m=1024, n=1024, k=sum(group_k), groups=4, group_k=group_k, dtype_in="bf16", dtype_out="bf16",
+             layout="tn")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    ops = worker._make_operands(p, gen)
+    if args.scheduler == "cublas":
+        launch = worker._baseline_launch(p)
+    else:
+        cfg = _cfg(args.scheduler, tile_m=128, tile_n=args.tile_n, cluster_m=args.cluster_m, cluster_n=args.cluster_n)
+        launch = worker._pool_launch(cfg.to_dict(), p)
+    for _ in range(5):
+        launch(*ops.args)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for _ in range(2):
+        launch(*ops.args)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
