@@ -28,10 +28,6 @@ LAYOUTS = ("tn", "nn")
 
 # K extent of one mainloop stage: 64 16-bit elements = one 128-byte swizzle row.
 TILE_K = 64
-# An L2 prefetch box spans this many k-blocks (256 16-bit elements, the most
-# a TMA box dimension takes) and is issued this many boxes ahead of the loads.
-L2_PREFETCH_SPAN = 4
-L2_PREFETCH_AHEAD = 2
 
 # Shared memory a CTA may use (bytes). H100: 227 KB per block opt-in
 # (CUDA C Programming Guide, compute capability 9.0); B200: 228 KB per SM,
@@ -74,7 +70,6 @@ _KNOBS = {
         "split_k": (1, 2, 3, 4, 8),
         "cta_group": (1,),
         "acc_stages": (1,),
-        "l2_prefetch": (False, True),
     },
     "sm100": {
         "scheduler": SCHEDULERS,
@@ -90,7 +85,6 @@ _KNOBS = {
         "split_k": (1, 2, 4, 8),
         "cta_group": (1, 2),
         "acc_stages": (1, 2, 4),
-        "l2_prefetch": (False,),
     },
 }
 
@@ -109,11 +103,6 @@ class GemmConfig:
     sched_depth is how far ahead the atomic scheduler claims (1: when the
     current tile's loads are issued, 2: as they begin) or the CLC
     pipeline depth; it is 1 for schedulers that claim nothing.
-    l2_prefetch (sm90) has the load warp pull A and B into L2 in boxes
-    `L2_PREFETCH_SPAN` k-blocks deep, ahead of its loads: a K-major operand
-    then leaves DRAM in 512-byte runs per row instead of one 128-byte run per
-    k-block, which matters where the operands stream from DRAM (long K,
-    little reuse).
     """
 
     arch: str = "sm90"
@@ -130,7 +119,6 @@ class GemmConfig:
     split_k: int = 1
     cta_group: int = 1
     acc_stages: int = 1
-    l2_prefetch: bool = False
 
     def __post_init__(self) -> None:
         validate(self)
@@ -182,8 +170,6 @@ class GemmConfig:
             parts.append(f"k{self.split_k}")
         if self.arch == "sm100":
             parts.append(f"g{self.cta_group}a{self.acc_stages}")
-        if self.l2_prefetch:
-            parts.append("pf")
         return "-".join(parts)
 
     def to_dict(self) -> dict:

@@ -50,9 +50,6 @@ OFFLINE = [
     _v("nn", scheduler=DYN, tile_n=224, stages=4, cluster_m=2),
     _v(scheduler=STATIC, split_k=3, tile_n=192),
     _v("nn", scheduler=DYN, split_k=3, tile_m=64, tile_n=224, sched_depth=2),
-    _v(scheduler=DYN, l2_prefetch=True),
-    _v("nn", scheduler=STATIC, tile_n=256, stages=4, cluster_m=2, cluster_n=2, l2_prefetch=True),
-    _v(scheduler=SINGLE, split_k=2, tile_m=64, l2_prefetch=True),
 ]
 
 
@@ -88,7 +85,6 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     # Only a cluster's leader claims; others receive over DSMEM.
     assert ("st.async" in k.ptx) == (v.cfg.scheduler == DYN and v.cfg.cluster_size > 1)
     assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
-    assert ("cp.async.bulk.prefetch.tensor" in k.ptx) == v.cfg.l2_prefetch
     assert 0 < k.registers <= 255
     assert k.stack_bytes == 0, "register spills"
     # The space's budget covers what the kernel allocates.
@@ -111,8 +107,7 @@ GPU_CONFIGS = [
     GemmConfig(scheduler=STATIC, tile_n=160, cluster_m=2, raster="n", swizzle=8),
     GemmConfig(scheduler=STATIC, tile_n=224, stages=4, swizzle=4),
     GemmConfig(scheduler=DYN, tile_n=224, stages=4, cluster_m=2),
-    GemmConfig(scheduler=DYN, l2_prefetch=True),
-    GemmConfig(scheduler=STATIC, tile_n=256, stages=4, cluster_m=2, cluster_n=2, l2_prefetch=True),
+    GemmConfig(scheduler=STATIC, tile_n=256, stages=4, cluster_m=2, cluster_n=2),
 ]
 SPLIT_K_CONFIGS = [
     GemmConfig(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128),
@@ -121,7 +116,6 @@ SPLIT_K_CONFIGS = [
     GemmConfig(scheduler=SINGLE, split_k=8, tile_m=64, tile_n=64),
     GemmConfig(scheduler=STATIC, split_k=2, tile_m=128, tile_n=192, cluster_m=2),
     GemmConfig(scheduler=DYN, split_k=3, tile_m=128, tile_n=224),
-    GemmConfig(scheduler=STATIC, split_k=2, tile_m=64, l2_prefetch=True),
 ]
 # Sizes off every tile multiple, a single row, a single k-block, N = 8.
 SHAPES = [(1, 256, 4096), (300, 200, 136), (1000, 1000, 1000), (129, 8, 520), (77, 264, 8), (2048, 1536, 1024)]

@@ -35,8 +35,6 @@ from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.space import (
     EPI_BUFFERS,
     EPI_SUBTILE_N,
-    L2_PREFETCH_AHEAD,
-    L2_PREFETCH_SPAN,
     SPLIT_K_COUNTERS,
     TILE_K,
     GemmConfig,
@@ -176,25 +174,6 @@ class Sm90GemmKernel:
         )
         return tma_a, ta, tma_b, tb, tma_c, tc
 
-    def _prefetch_atoms(self, a3: cute.Tensor, b3: cute.Tensor):
-        """(atom, TMA tensor) of A and of B in boxes `L2_PREFETCH_SPAN` k-blocks
-        deep, for L2 prefetches; None without `l2_prefetch`."""
-        if not self.cfg.l2_prefetch:
-            return None
-        tm, tn, tk = self.tile_mnk
-        depth = tk * L2_PREFETCH_SPAN
-
-        def boxes(tensor, rows, layout):
-            k_major = layout.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
-            # A prefetch writes no shared memory: this layout only shapes the
-            # box, unswizzled so that its K extent may exceed 128 bytes.
-            shape = cute.make_layout((rows, depth), stride=(depth, 1) if k_major else (1, rows))
-            return cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor, shape, (rows, depth)
-            )
-
-        return (*boxes(a3, tm, self.a_layout), *boxes(b3, tn, self.b_layout))
-
     @cute.jit
     def __call__(
         self,
@@ -207,7 +186,6 @@ class Sm90GemmKernel:
     ):
         a3, b3, c3 = self._views(a, b, c)
         tma_a, ta, tma_b, tb, tma_c, tc = self._tma_atoms(a3, b3, c3)
-        prefetch = self._prefetch_atoms(a3, b3)
         grid = TileGrid.of(self._work_shape(c3), self.tile_mn, self.cluster_mn)
 
         @cute.struct
@@ -222,8 +200,7 @@ class Sm90GemmKernel:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_a, ta, tma_b, tb, tma_c, tc, prefetch, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem,
-            sched_buf,
+            tma_a, ta, tma_b, tb, tma_c, tc, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem, sched_buf
         ).launch(
             grid=self.sched.grid_shape(grid, max_clusters),
             block=[self.threads, 1, 1],
@@ -247,7 +224,6 @@ class Sm90GemmKernel:
         mB: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
-        prefetch,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -256,7 +232,9 @@ class Sm90GemmKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        self._prefetch_descriptors(warp_idx, (tma_a, tma_b, tma_c), prefetch)
+        if warp_idx == _LOAD_WARP:
+            for atom in (tma_a, tma_b, tma_c):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
          sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
@@ -283,9 +261,6 @@ class Sm90GemmKernel:
             cute.group_modes(gB, 0, 2),
         )
 
-        # boxes: (box, tiles_m or tiles_n, spans, l)
-        pf_plan = self._prefetch_plan(prefetch, storage, cluster_coord, (None, None, None), (None, None, None))
-
         group_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_GROUP)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
@@ -300,7 +275,6 @@ class Sm90GemmKernel:
                     state = self._load_tile(
                         sched, load_pipe, state, k_tiles, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
                         tma_b, tBgB[(None, n, None, l)], tBsB, b_mask,
-                        self._prefetch_tile(pf_plan, (None, m, None, l), (None, n, None, l)),
                     )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
@@ -424,73 +398,12 @@ class Sm90GemmKernel:
         return load_pipe, ring
 
     @cute.jit
-    def _prefetch_descriptors(self, warp_idx, atoms, prefetch) -> None:
-        if const_expr(prefetch is not None):
-            atoms = (*atoms, prefetch[0], prefetch[2])
-        if warp_idx == _LOAD_WARP:
-            for atom in atoms:
-                cute.nvgpu.cpasync.prefetch_descriptor(atom)
-
-    def _prefetch_plan(self, prefetch, storage, cluster_coord, coord_a, coord_b):
-        """What the load warp prefetches: (atom, boxes, whether this CTA issues
-        them) for A, then B, the boxes tiled from the TMA tensors of `prefetch`
-        at `coord_a` / `coord_b` (keeping a span mode); None without
-        `l2_prefetch`. A multicast operand is prefetched by one of the CTAs
-        sharing it."""
-        if const_expr(prefetch is None):
-            return None
-        tma_pa, pa, tma_pb, pb = prefetch
-        tm, tn, tk = self.tile_mnk
-        depth = tk * L2_PREFETCH_SPAN
-
-        def partition(atom, tensor, rows, smem_ptr, coord):
-            box = cute.local_tile(tensor, (rows, depth), coord)
-            # tma_partition wants a shared-memory side; the prefetch never touches it.
-            unused = cute.make_tensor(smem_ptr, cute.make_layout((rows, depth)))
-            _, boxes = cute.nvgpu.cpasync.tma_partition(
-                atom, 0, cute.make_layout(1), cute.group_modes(unused, 0, 2), cute.group_modes(box, 0, 2)
-            )
-            return boxes
-
-        return (
-            tma_pa, partition(tma_pa, pa, tm, storage.sA.data_ptr(), coord_a), cluster_coord[1] == 0,
-            tma_pb, partition(tma_pb, pb, tn, storage.sB.data_ptr(), coord_b), cluster_coord[0] == 0,
-        )
-
-    @staticmethod
-    def _prefetch_tile(plan, tile_a, tile_b):
-        """`plan` narrowed to one tile's boxes (by span)."""
-        if const_expr(plan is None):
-            return None
-        tma_pa, boxes_a, lead_a, tma_pb, boxes_b, lead_b = plan
-        return tma_pa, boxes_a[tile_a], lead_a, tma_pb, boxes_b[tile_b], lead_b
-
-    @cute.jit
-    def _prefetch_span(self, pf, span, k_tiles) -> None:
-        """Prefetch the `span`-th box of the tile's A and B into L2, if the tile reaches it."""
-        tma_pa, boxes_a, lead_a, tma_pb, boxes_b, lead_b = pf
-        if span * L2_PREFETCH_SPAN < k_tiles:
-            if lead_a:
-                cute.prefetch(tma_pa, boxes_a[(None, span)])
-            if lead_b:
-                cute.prefetch(tma_pb, boxes_b[(None, span)])
-
-    @cute.jit
-    def _load_tile(
-        self, sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, pf
-    ):
+    def _load_tile(self, sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
         """The load warp's share of one tile: its `k_tiles` k-blocks of A and B
-        into the ring, between the two claim requests of `sched`, with `pf`
-        (see `_prefetch_plan`) the L2 prefetches running ahead of them;
-        returns the ring state the next tile continues from."""
+        into the ring, between the two claim requests of `sched`; returns the
+        ring state the next tile continues from."""
         sched.request_next(True)
-        if const_expr(pf is not None):
-            for span in cutlass.range_constexpr(L2_PREFETCH_AHEAD):
-                self._prefetch_span(pf, span, k_tiles)
         for kt in range(k_tiles):
-            if const_expr(pf is not None):
-                if kt % L2_PREFETCH_SPAN == 0:
-                    self._prefetch_span(pf, kt // L2_PREFETCH_SPAN + L2_PREFETCH_AHEAD, k_tiles)
             load_pipe.producer_acquire(state)
             bar = load_pipe.producer_get_barrier(state)
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)

@@ -98,7 +98,6 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
     ):
         a3, b3, c3 = self._grouped_views(a, b, c)
         tma_a, ta, tma_b, tb, tma_c, tc = self._tma_atoms(a3, b3, c3)
-        prefetch = self._prefetch_atoms(a3, b3)
         tm, tn, _ = self.tile_mnk
         # Upper bound of the work: the launch must not depend on offs (no sync).
         cluster_rows = tm * self.cluster_mn[0]
@@ -125,8 +124,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
 
         self.shared_storage = SharedStorage
         self.grouped_kernel(
-            tma_a, ta, tma_b, tb, tma_c, tc, prefetch, c3, offs, self.tiled_mma, self.a_smem, self.b_smem,
-            self.c_smem, sched_buf,
+            tma_a, ta, tma_b, tb, tma_c, tc, c3, offs, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem,
+            sched_buf,
         ).launch(
             grid=(self.cluster_mn[0] * clusters, self.cluster_mn[1], 1),
             block=[self.threads, 1, 1],
@@ -146,7 +145,6 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         mB: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
-        prefetch,
         c3: cute.Tensor,
         offs: cute.Tensor,
         tiled_mma: cute.TiledMma,
@@ -157,7 +155,9 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        self._prefetch_descriptors(warp_idx, (tma_a, tma_b, tma_c), prefetch)
+        if warp_idx == _LOAD_WARP:
+            for atom in (tma_a, tma_b, tma_c):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
          sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
@@ -206,11 +206,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                         cute.group_modes(sB, 0, 2),
                         cute.group_modes(gB, 0, 2),
                     )
-                    pf_plan = self._prefetch_plan(
-                        self._offset_prefetch(prefetch, row0, k0), storage, cluster_coord, (0, None, la), (n, None, lb)
-                    )
                     state = self._load_tile(
-                        sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, pf_plan
+                        sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
                     )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
@@ -222,14 +219,6 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                 tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, mA.shape[1], tidx, warp_idx, group_idx,
                 GroupedTileScheduler.create(self.sched, table, ring),
             )
-
-    @staticmethod
-    def _offset_prefetch(prefetch, row0, k0):
-        """`prefetch` with its A tensor moved to (row0, k0) and B's to k0, as the tile's loads are."""
-        if const_expr(prefetch is None):
-            return None
-        tma_pa, pa, tma_pb, pb = prefetch
-        return tma_pa, cute.domain_offset((row0, k0, 0), pa), tma_pb, cute.domain_offset((0, k0, 0), pb)
 
     def _placement(self, table: GroupTable, m, g, k_packed):
         """Where tile (m, ., g) lives: (first row, first k, k-tiles, l of A, l of B, l of C, rows left)."""
