@@ -271,3 +271,10 @@ def test_thousand_predictions_take_under_a_second():
     for p, cfg in cases:
         predict_ms(p, cfg)
     assert time.perf_counter() - started < 1.0
+
+
+def test_clusters_that_run_at_once_come_from_the_measured_table():
+    # cuOccupancyMaxActiveClusters on an H100: clusters of 4 stay inside a GPC.
+    assert [H100.clusters(s) for s in (1, 2, 4)] == [132, 66, 30]
+    assert replace(H100, sms=100).clusters(1) == 100  # a smaller variant caps the table
+    assert B200.clusters(8) == 148 // 8  # unmeasured sizes fall back to SMs / size

@@ -88,6 +88,13 @@ class DeviceModel:
     epilogue_fixed_us: float = 0.5     # accumulators -> smem -> TMA store issue
     atomic_claim_us: float = 1.0       # global atomic round trip (dynamic_persistent)
     clc_claim_us: float = 0.35         # try_cancel -> response in smem (clc)
+    # (cluster size, clusters that run at once) where measured: a cluster
+    # lives in one GPC, so this can be below sms // size, the fallback.
+    max_clusters: tuple[tuple[int, int], ...] = ()
+
+    def clusters(self, size: int) -> int:
+        """Clusters of `size` CTAs the device runs at once."""
+        return min(dict(self.max_clusters).get(size, self.sms), self.sms // size)
 
     @property
     def peak_flops(self) -> float:
@@ -99,12 +106,15 @@ class DeviceModel:
 # C Programming Guide, compute capability 9.0). The clock is the one the peak
 # implies at 4096 dense FLOP/clk/SM: 989.4e12 / (132 * 4096) = 1.83 GHz.
 # Peak is derived per SM, so a variant with fewer SMs has a smaller peak.
-# L2 bandwidth is an estimate: a 128x128 un-clustered GEMM, which needs
-# ~11 TB/s from L2 at the rates it is seen to run, is not L2 bound.
+# L2 bandwidth is an estimate; ncu on an H100 (bench/results/logs/ncu/) saw
+# 2.47 GB read from L2 in 293 us at 86 % of L2 throughput, about 9.8 TB/s at
+# peak, a figure not yet folded in. Clusters that run at once:
+# cuOccupancyMaxActiveClusters on the same H100.
 H100 = DeviceModel(
     name="H100-model", arch="sm90", sms=132, flops_per_clk_sm=4096, clock_hz=1.83e9,
     hbm_bw=3.35e12, l2_bytes=50 * 2**20, l2_bw=12e12, smem_per_sm=228 * 1024,
     mma_efficiency=0.86, hbm_efficiency=0.90, kblock_overhead_clk=80,
+    max_clusters=((1, 132), (2, 66), (4, 30)),
 )
 
 # B200 (HGX B200): 148 SMs, 2.25 PFLOP/s dense FP16/BF16, 8 TB/s HBM3e
@@ -285,8 +295,8 @@ def _group_shapes(p: Problem) -> list[tuple[int, int]]:
 def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Plan:
     cm, cn = cfg.cluster_tile
     cs = cfg.cluster_size
-    workers = dev.sms // cs
-    free_workers = (dev.sms - p.carveout) // cs
+    workers = dev.clusters(cs)
+    free_workers = min(workers, (dev.sms - p.carveout) // cs)
     if free_workers < 1:
         raise InvalidConfig(
             f"{p.carveout} of {dev.sms} SMs held leave no room for a {cfg.cluster_m}x{cfg.cluster_n} cluster"
