@@ -81,6 +81,11 @@ def _tflops(p: Problem, ms: float | None) -> float | None:
     return None if not ms else p.flops / ms / 1e9
 
 
+def seed000_problem(k: int) -> Problem:
+    """Seed 000's four problems with long-K length `k`, packed along K."""
+    return Problem(1024, 1024, k, groups=4, group_k=(1024, k, 1024, k))
+
+
 def seed000(backend: GpuBackend) -> list[dict]:
     records = []
     for tile in SEED000_TILES:
@@ -91,7 +96,7 @@ def seed000(backend: GpuBackend) -> list[dict]:
 def _seed000_tile(backend: GpuBackend, static: GemmConfig, dynamic: GemmConfig) -> list[dict]:
     records = []
     for k in SEED000_K:
-        p = Problem(1024, 1024, k, groups=4, group_k=(1024, k, 1024, k))
+        p = seed000_problem(k)
         res = backend.remeasure(Key(ARCH, backend.device_name, p), [static, dynamic, None])
         rec = {"part": "seed000", "K": k, "config": static.name()}
         for label, r in zip(("static", "dynamic", "cublas_loop"), res, strict=True):
@@ -217,8 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--trials", type=int, default=24, help="Measured trials per MoE key.")
-    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, DEFAULT_GROUP_SKEW],
-                        help="MoE routing skews to run.")
+    parser.add_argument("--skews", type=float, nargs="+", choices=(0.0, DEFAULT_GROUP_SKEW),
+                        default=[0.0, DEFAULT_GROUP_SKEW], help="MoE routing skews to run.")
     return parser.parse_args(argv)
 
 

@@ -15,8 +15,9 @@ import argparse
 
 import torch
 
-from bench.grouped import _cfg
+from bench.grouped import _cfg, seed000_problem
 from tuner import _gpu_worker as worker
+from tuner.gpu import problem_to_json
 
 
 def main() -> None:
@@ -27,9 +28,7 @@ def main() -> None:
     parser.add_argument("cluster_n", type=int)
     parser.add_argument("k", type=int, nargs="?", default=32768)
     args = parser.parse_args()
-    group_k = (1024, args.k, 1024, args.k)
-    p = dict(m=1024, n=1024, k=sum(group_k), groups=4, group_k=group_k, dtype_in="bf16", dtype_out="bf16",
-             layout="tn")
+    p = problem_to_json(seed000_problem(args.k))
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     ops = worker._make_operands(p, gen)
