@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32, Int64, const_expr
 
-from kernels.grouped import MAX_GROUPS
+from kernels.grouped import LIGHT_ROWS, MAX_GROUPS
 from kernels.schedulers import TileGrid, TileScheduler, WorkTile, decode_tile
 
 # Groups each lane of the table-building warp covers.
@@ -14,16 +14,31 @@ _PER_LANE = MAX_GROUPS // 32
 _SEARCH_STEPS = MAX_GROUPS.bit_length() - 1
 
 
-class GroupTable:
-    """The per-launch shared-memory table: bounds and first tile index of every group.
+def _scan(x):
+    """Inclusive warp scan of `x` and the warp's total."""
+    incl = x
+    for s in range(5):
+        up = cute.arch.shuffle_sync_up(incl, 1 << s)
+        incl = incl + cutlass.select_(cute.arch.lane_idx() >= (1 << s), up, Int32(0))
+    return incl, cute.arch.shuffle_sync(incl, 31)
 
-    `bounds` and `starts` are smem Int32 tensors of MAX_GROUPS + 1 entries.
+
+class GroupTable:
+    """The per-launch shared-memory table (see `kernels.grouped` for the order it encodes).
+
+    Positions list the heavy groups, then the light ones, each in group
+    order: `order[p]` is the group at position p and `starts[p]` its first
+    index in the heavy-then-light concatenation; `bounds[g]` is group g's
+    first row (or k); `heavy[0]` counts the heavy groups' tiles.
     """
 
-    def __init__(self, form: str, bounds, starts, groups, clusters_m, clusters_n, cluster_rows: int):
+    def __init__(self, form: str, storage, groups, clusters_m, clusters_n, cluster_rows: int):
+        entries = cute.make_layout(MAX_GROUPS + 1)
         self.form = form
-        self.bounds = bounds
-        self.starts = starts
+        self.bounds = storage.bounds.get_tensor(entries)
+        self.starts = storage.starts.get_tensor(entries)
+        self.order = storage.order.get_tensor(entries)
+        self.heavy = storage.heavy.get_tensor(cute.make_layout(1))
         self.groups = groups
         self.clusters_m = clusters_m
         self.clusters_n = clusters_n
@@ -41,56 +56,77 @@ class GroupTable:
     @cute.jit
     def _fill(self, offs: cute.Tensor, extent) -> None:
         lane = cute.arch.lane_idx()
-        counts = []
-        ranges = []
-        local = Int32(0)
+        per_group = []
+        heavy_groups, heavy_tiles, light_groups, light_tiles = Int32(0), Int32(0), Int32(0), Int32(0)
         for j in cutlass.range_constexpr(_PER_LANE):
             g = lane * _PER_LANE + j
             live = g < self.groups
             hi = cutlass.min(offs[cutlass.min(g, self.groups - 1)], extent)
             lo = cutlass.min(cutlass.select_(g == 0, Int32(0), offs[cutlass.max(g - 1, 0)]), extent)
             cm = self.clusters_m
+            heavy = live
             if const_expr(self.form == "rows"):
                 cm = (cutlass.max(hi - lo, 0) + (self.cluster_rows - 1)) // self.cluster_rows
+                heavy = live & (cm * self.cluster_rows > LIGHT_ROWS)
             cnt = cutlass.select_(live, cm * self.clusters_n, Int32(0))
-            counts.append(cnt)
-            ranges.append((g, live, lo))
-            local += cnt
-        incl = local
-        for s in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << s)
-            incl = incl + cutlass.select_(lane >= (1 << s), up, Int32(0))
-        run = incl - local
-        starts, bounds, groups = self.starts, self.bounds, self.groups
+            per_group.append((g, live, heavy, lo, cnt))
+            one_if_heavy = cutlass.select_(heavy, Int32(1), Int32(0))
+            heavy_groups += one_if_heavy
+            heavy_tiles += one_if_heavy * cnt
+            light_groups += cutlass.select_(live, Int32(1), Int32(0)) - one_if_heavy
+            light_tiles += (1 - one_if_heavy) * cnt
+        # Exclusive prefixes of this lane's first group within each class.
+        hg, hg_total = _scan(heavy_groups)
+        ht, ht_total = _scan(heavy_tiles)
+        lg, _ = _scan(light_groups)
+        lt, lt_total = _scan(light_tiles)
+        hg, ht = hg - heavy_groups, ht - heavy_tiles
+        lg, lt = lg - light_groups + hg_total, lt - light_tiles + ht_total
+        starts, bounds, order, groups, heavy_total = self.starts, self.bounds, self.order, self.groups, self.heavy
         for j in cutlass.range_constexpr(_PER_LANE):
-            g, live, lo = ranges[j]
+            g, live, heavy, lo, cnt = per_group[j]
             if live:
-                starts[g] = run
                 bounds[g] = lo
-            run += counts[j]
+                if heavy:
+                    starts[hg] = ht
+                    order[hg] = g
+                    hg += 1
+                    ht += cnt
+                else:
+                    starts[lg] = lt
+                    order[lg] = g
+                    lg += 1
+                    lt += cnt
         if lane == 31:
-            starts[groups] = incl
+            starts[groups] = ht_total + lt_total
             bounds[groups] = cutlass.min(offs[groups - 1], extent)
+            heavy_total[0] = ht_total
 
     @property
     def count(self):
         return self.starts[self.groups]
 
     def locate(self, idx):
-        """(group, index within the group): fixed-step binary search of `starts`."""
-        g = Int32(0)
+        """(group, index within the group) of work index `idx`.
+
+        The heavy and light sequences are merged evenly: of the first idx
+        indices, floor(idx * heavy / count) are heavy ones.
+        """
+        heavy, total = Int64(self.heavy[0]), Int64(cutlass.max(self.count, 1))
+        before = Int32(Int64(idx) * heavy // total)
+        is_heavy = Int32((Int64(idx) + 1) * heavy // total) > before
+        pos = cutlass.select_(is_heavy, before, self.heavy[0] + idx - before)
+        p = Int32(0)
         for s in reversed(range(_SEARCH_STEPS)):
-            cand = g + (1 << s)
-            g = cutlass.select_((cand < self.groups) & (self.starts[cand] <= idx), cand, g)
-        return g, idx - self.starts[g]
+            cand = p + (1 << s)
+            p = cutlass.select_((cand < self.groups) & (self.starts[cand] <= pos), cand, p)
+        return self.order[p], pos - self.starts[p]
 
     def clusters_m_of(self, g):
         if const_expr(self.form == "rows"):
             rows = self.bounds[g + 1] - self.bounds[g]
             return (cutlass.max(rows, 0) + (self.cluster_rows - 1)) // self.cluster_rows
         return self.clusters_m
-
-
 class GroupedTileScheduler(TileScheduler):
     """`TileScheduler` over a `GroupTable`: tiles are (m within the group, n, group)."""
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 
 from kernels import compile as kc
-from kernels.grouped import MAX_GROUPS, locate, tile_starts
+from kernels.grouped import LIGHT_ROWS, MAX_GROUPS, work_order
 from kernels.space import GemmConfig
 from tuner._gpu_worker import group_bounds
 
@@ -19,19 +20,34 @@ STATIC = "static_persistent"
 # ---------------------------------------------------------------- host side
 
 
-def test_tile_starts_count_tiles_per_group():
+def test_work_order_counts_tiles_per_group():
     # 128-row cluster tiles, 3 clusters along N.
-    starts = tile_starts([37, 300, 300, 429, 1000], "rows", 1000, 0, 3, 128)
-    assert starts == [0, 3, 12, 12, 18, 33]
+    order = work_order([37, 300, 300, 429, 1000], "rows", 1000, 0, 3, 128)
+    tiles = [sum(1 for g, _ in order if g == grp) for grp in range(5)]
+    assert tiles == [3, 9, 0, 6, 15]
     # Offsets past the extent are clipped to it.
-    assert tile_starts([100, 5000], "rows", 200, 0, 1, 64) == [0, 2, 4]
-    # The K form: every group owns the whole M x N grid.
-    assert tile_starts([64, 64, 512], "k", 512, 4, 2, 128) == [0, 8, 16, 24]
+    assert work_order([100, 5000], "rows", 200, 0, 1, 64) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_locate_skips_empty_groups():
-    starts = [0, 3, 3, 3, 5]
-    assert [locate(i, starts) for i in range(5)] == [(0, 0), (0, 1), (0, 2), (3, 0), (3, 1)]
+def test_work_order_is_group_order_for_one_class():
+    # The K form, and rows forms whose groups are all light or all heavy.
+    assert work_order([64, 64, 512], "k", 512, 4, 2, 128) == [(g, t) for g in range(3) for t in range(8)]
+    assert work_order([100, 100, 300], "rows", 300, 0, 1, 128) == [(0, 0), (2, 0), (2, 1)]
+    big = [1000, 2000, 3000]
+    assert work_order(big, "rows", 3000, 0, 1, 128) == [(g, t) for g in range(3) for t in range(8)]
+
+
+def test_work_order_merges_heavy_and_light_groups_evenly():
+    # Group 0 heavy (1024 rows: 8 tiles), groups 1-8 light (128 rows: 1 tile each), empty group 9.
+    sizes = [1024] + [128] * 8 + [0]
+    offs = list(itertools.accumulate(sizes))
+    order = work_order(offs, "rows", offs[-1], 0, 1, 128)
+    assert sorted(order) == [(0, t) for t in range(8)] + [(g, 0) for g in range(1, 9)]
+    assert [g == 0 for g, _ in order] == [False, True] * 8
+    # Within each class, groups and their tiles keep their order.
+    assert [t for g, t in order if g == 0] == list(range(8))
+    assert [g for g, _ in order if g != 0] == list(range(1, 9))
+    assert 3 * 128 > LIGHT_ROWS >= 2 * 128
 
 
 def test_group_bounds_equal_without_skew():
@@ -106,6 +122,7 @@ def _rows_patterns() -> dict[str, list[int]]:
         "single": [777],
         "many": many,
         "short_offs": [100, 50],  # rows past offs[-1] belong to no group
+        "heavy_and_light": [600, 5, 0, 300, 64, 1000, 17, 128, 0, 257],
     }
 
 

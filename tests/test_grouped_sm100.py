@@ -10,7 +10,7 @@ import torch
 
 from bench.kernels_sm100 import ptx_checks
 from kernels import compile as kc
-from kernels.grouped import tile_starts
+from kernels.grouped import work_order
 from kernels.space import GemmConfig, InvalidConfig
 from tests.test_grouped import _assert_close, _offs, _rows_case, _rows_patterns, _rows_reference
 
@@ -74,10 +74,10 @@ def test_worst_case_grid_holds_every_offs():
         offs = [*cuts, total]
         rows, cols, n = rng.choice([64, 128, 256, 512]), rng.choice([64, 128, 256]), rng.randint(8, 3000)
         clusters_n = -(-n // cols)
-        need = tile_starts(offs, "rows", total, 0, clusters_n, rows)[-1]
+        need = len(work_order(offs, "rows", total, 0, clusters_n, rows))
         assert need <= worst_case_clusters(total, n, groups, rows, cols)
     # Near tight: two groups of 129 rows take 4 of the 5 cluster tiles the grid is padded to.
-    assert tile_starts([129, 258], "rows", 258, 0, 1, 128)[-1] == 4 == worst_case_clusters(258, 8, 2, 128, 8) - 1
+    assert len(work_order([129, 258], "rows", 258, 0, 1, 128)) == 4 == worst_case_clusters(258, 8, 2, 128, 8) - 1
 
 
 def test_kernel_refuses_other_forms_schedulers_and_split_k():

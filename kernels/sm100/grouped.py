@@ -111,6 +111,8 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
             ring_slots: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, n_ring_words], 16]
             bounds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
             starts: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
+            order: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
+            heavy: cute.struct.MemRange[cutlass.Int32, 1]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout_staged.outer)], 1024
             ]
@@ -196,8 +198,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
         cluster_cols = self.cta_tile_shape_mnk[1] * self.cluster_shape_mn[1]
         table = GroupTable(
             "rows",
-            storage.bounds.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
-            storage.starts.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
+            storage,
             offs.shape[0],
             (m_total + cluster_rows - 1) // cluster_rows,
             (n_total + cluster_cols - 1) // cluster_cols,

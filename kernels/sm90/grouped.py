@@ -118,6 +118,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             ring_slots: cute.struct.Align[cute.struct.MemRange[Int32, self.ring_words[1]], 16]
             bounds: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
             starts: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+            order: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+            heavy: cute.struct.MemRange[Int32, 1]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], _SMEM_ALIGN]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], _SMEM_ALIGN]
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], _SMEM_ALIGN]
@@ -168,8 +170,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         cluster_rows = tm * self.cluster_mn[0]
         table = GroupTable(
             self.form,
-            storage.bounds.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
-            storage.starts.get_tensor(cute.make_layout(MAX_GROUPS + 1)),
+            storage,
             offs.shape[0],
             (m_total + cluster_rows - 1) // cluster_rows,
             clusters_n,
