@@ -6,8 +6,8 @@
 by the tensor cores) with those of light ones (B streamed from DRAM). This
 times both orders for a few fixed configs on the skewed 64-expert keys of
 `bench.grouped`, the only MoE keys with both classes: plain group order is
-the same kernel built with `LIGHT_ROWS` = 0 (every non-empty group heavy),
-in a child process with its own compile cache. Median of CUDA-graph
+the same kernel built with `LIGHT_ROWS` = 0 (every non-empty group heavy,
+`plain_group_order`), in a child process with its own compile cache. Median of CUDA-graph
 replays; one operand set (the 1.9 GB of expert weights overflow L2 anyway).
 Writes `<out>/<device-slug>-group-order.json`.
 """
@@ -30,22 +30,30 @@ from tuner.key import Problem
 
 CONFIGS = (
     _cfg("dynamic_persistent", tile_m=128, tile_n=256, cluster_m=2, swizzle=4),
-    _cfg("static_persistent", tile_m=128, tile_n=256, cluster_m=2, swizzle=4),
+    _cfg("dynamic_persistent", tile_m=128, tile_n=256, cluster_n=2),
     _cfg("single_tile", tile_m=128, tile_n=256),
-    _cfg("single_tile", tile_m=128, tile_n=128, cluster_n=2),
+    _cfg("single_tile", tile_m=128, tile_n=256, cluster_n=2),
 )
 ORDERS = ("merged", "group")
 _SAMPLES = 20
 
 
+def plain_group_order() -> None:
+    """Build this process's grouped kernels in plain group order, into a compile cache of their own."""
+    import kernels.group_table
+
+    kernels.group_table.LIGHT_ROWS = 0
+    cache = Path(os.environ.get("KERNELS_CACHE_DIR", Path.home() / ".cache" / "gemm-kernels"))
+    os.environ["KERNELS_CACHE_DIR"] = str(cache / "group-order")
+
+
 def _time_order(order: str) -> list[dict]:
     import torch
 
-    import kernels.group_table
     from tuner import _gpu_worker as worker
 
     if order == "group":
-        kernels.group_table.LIGHT_ROWS = 0
+        plain_group_order()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     records = []
@@ -70,11 +78,8 @@ def run(out_dir: Path) -> list[dict]:
 
     records = []
     for order in ORDERS:
-        env = dict(os.environ)
-        if order == "group":
-            cache = Path(env.get("KERNELS_CACHE_DIR", Path.home() / ".cache" / "gemm-kernels"))
-            env["KERNELS_CACHE_DIR"] = str(cache / "group-order")
-        child = subprocess.run([sys.executable, "-m", "bench.group_order", "--child", order], env=env,
+        # One process per order: compiled kernels stay loaded for the life of a process.
+        child = subprocess.run([sys.executable, "-m", "bench.group_order", "--child", order],
                                check=True, capture_output=True, text=True)
         records += json.loads(child.stdout)
     slug = device_slug(torch.cuda.get_device_name())
