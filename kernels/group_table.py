@@ -12,6 +12,8 @@ from kernels.schedulers import TileGrid, TileScheduler, WorkTile, decode_tile
 # Groups each lane of the table-building warp covers.
 _PER_LANE = MAX_GROUPS // 32
 _SEARCH_STEPS = MAX_GROUPS.bit_length() - 1
+# `GroupTable.order` holds one group index per byte.
+assert MAX_GROUPS <= 256
 
 
 def _scan(x):
@@ -37,7 +39,9 @@ class GroupTable:
         self.form = form
         self.bounds = storage.bounds.get_tensor(entries)
         self.starts = storage.starts.get_tensor(entries)
-        self.order = storage.order.get_tensor(entries)
+        # One byte per group (MAX_GROUPS = 256) keeps the table inside the
+        # shared memory that `kernels.space` leaves over for it.
+        self.order = storage.order.get_tensor(cute.make_layout(MAX_GROUPS))
         self.heavy = storage.heavy.get_tensor(cute.make_layout(1))
         self.groups = groups
         self.clusters_m = clusters_m
@@ -89,12 +93,12 @@ class GroupTable:
                 bounds[g] = lo
                 if heavy:
                     starts[hg] = ht
-                    order[hg] = g
+                    order[hg] = cutlass.Uint8(g)
                     hg += 1
                     ht += cnt
                 else:
                     starts[lg] = lt
-                    order[lg] = g
+                    order[lg] = cutlass.Uint8(g)
                     lg += 1
                     lt += cnt
         if lane == 31:
@@ -120,7 +124,7 @@ class GroupTable:
         for s in reversed(range(_SEARCH_STEPS)):
             cand = p + (1 << s)
             p = cutlass.select_((cand < self.groups) & (self.starts[cand] <= pos), cand, p)
-        return self.order[p], pos - self.starts[p]
+        return Int32(self.order[p]), pos - self.starts[p]
 
     def clusters_m_of(self, g):
         if const_expr(self.form == "rows"):

@@ -111,7 +111,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
             ring_slots: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, n_ring_words], 16]
             bounds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
             starts: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
-            order: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, MAX_GROUPS + 1], 16]
+            order: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, MAX_GROUPS], 16]
             heavy: cute.struct.MemRange[cutlass.Int32, 1]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout_staged.outer)], 1024

@@ -118,7 +118,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             ring_slots: cute.struct.Align[cute.struct.MemRange[Int32, self.ring_words[1]], 16]
             bounds: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
             starts: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
-            order: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+            order: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, MAX_GROUPS], 16]
             heavy: cute.struct.MemRange[Int32, 1]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], _SMEM_ALIGN]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], _SMEM_ALIGN]
