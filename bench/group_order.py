@@ -41,10 +41,10 @@ _SAMPLES = 20
 def plain_group_order() -> None:
     """Build this process's grouped kernels in plain group order, into a compile cache of their own."""
     import kernels.group_table
+    from kernels.compile import cache_dir
 
     kernels.group_table.LIGHT_ROWS = 0
-    cache = Path(os.environ.get("KERNELS_CACHE_DIR", Path.home() / ".cache" / "gemm-kernels"))
-    os.environ["KERNELS_CACHE_DIR"] = str(cache / "group-order")
+    os.environ["KERNELS_CACHE_DIR"] = str(cache_dir() / "group-order")
 
 
 def _time_order(order: str) -> list[dict]:
