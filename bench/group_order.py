@@ -7,8 +7,9 @@ by the tensor cores) with those of light ones (B streamed from DRAM). This
 times both orders for a few fixed configs on the skewed 64-expert keys of
 `bench.grouped`, the only MoE keys with both classes: plain group order is
 the same kernel built with `LIGHT_ROWS` = 0 (every non-empty group heavy,
-`plain_group_order`), in a child process with its own compile cache. Median of CUDA-graph
-replays; one operand set (the 1.9 GB of expert weights overflow L2 anyway).
+`plain_group_order`), in a child process with its own compile cache.
+Median of CUDA-graph replays; one operand set (the 1.9 GB of expert weights
+overflow L2 anyway).
 Writes `<out>/<device-slug>-group-order.json`.
 """
 
@@ -82,10 +83,10 @@ def run(out_dir: Path) -> list[dict]:
         child = subprocess.run([sys.executable, "-m", "bench.group_order", "--child", order],
                                check=True, capture_output=True, text=True)
         records += json.loads(child.stdout)
-    slug = device_slug(torch.cuda.get_device_name())
-    out = out_dir / f"{slug}-group-order.json"
+    device = torch.cuda.get_device_name()
+    out = out_dir / f"{device_slug(device)}-group-order.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "records": records}, indent=1) + "\n")
+    out.write_text(json.dumps({"device": device, "records": records}, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return records
 

@@ -7,8 +7,8 @@
 For the N = 7168, K = 2048 key of `bench.grouped` (skewed routing; with
 ``merged`` also the balanced one), one launch inside the profiler range per
 config after three warm-up launches. ``group`` builds the kernels in plain
-group order (`bench.group_order.plain_group_order`). The reports `bench/results/logs/ncu/ncu-moe-*.txt`
-came from this script.
+group order (`bench.group_order.plain_group_order`). The reports
+`bench/results/logs/ncu/ncu-moe-*.txt` came from this script.
 """
 
 from __future__ import annotations

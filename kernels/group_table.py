@@ -131,6 +131,8 @@ class GroupTable:
             rows = self.bounds[g + 1] - self.bounds[g]
             return (cutlass.max(rows, 0) + (self.cluster_rows - 1)) // self.cluster_rows
         return self.clusters_m
+
+
 class GroupedTileScheduler(TileScheduler):
     """`TileScheduler` over a `GroupTable`: tiles are (m within the group, n, group)."""
 

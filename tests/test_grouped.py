@@ -79,7 +79,8 @@ OFFLINE = [
     _v("k", scheduler=STATIC),
     _v("k", "nn", scheduler=DYN, sched_depth=2),
     # The group table fits beside the most stages an fp32 output leaves room for.
-    kc.Variant(GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, stages=4, sched_depth=2), "bf16", "fp32", "tn", "rows"),
+    kc.Variant(GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, stages=4, sched_depth=2),
+               "bf16", "fp32", "tn", "rows"),
 ]
 
 
