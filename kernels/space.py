@@ -35,8 +35,9 @@ TILE_K = 64
 SMEM_BYTES = {"sm90": 232448, "sm100": 232448}
 # Reserved for mbarriers, the scheduler's smem ring and the CLC response.
 SMEM_RESERVED = 1024
-# The epilogue stages the output through smem in 32-column sub-tiles, two
-# buffers deep, sized for the widest output dtype (fp32).
+# The epilogue stages the output through smem in 32-column sub-tiles: two
+# fp32 buffers' worth of bytes, more buffers for narrower outputs (sm90:
+# `epi_buffers`).
 EPI_SUBTILE_N = 32
 EPI_BUFFERS = 2
 # On sm100 an epilogue sub-tile holds 4096 elements whatever the CTA tile
@@ -196,6 +197,16 @@ def smem_bytes(cfg: GemmConfig, dtype_in: str = "bf16") -> int:
     else:
         epilogue = cfg.cta_tile_m * EPI_SUBTILE_N * DTYPE_BYTES["fp32"] * EPI_BUFFERS
     return cfg.stages * stage + epilogue + SMEM_RESERVED
+
+
+def epi_buffers(out_bits: int) -> int:
+    """sm90 epilogue buffers for an output of `out_bits` per element.
+
+    `smem_bytes` sizes the staging for fp32; a narrower output fills the same
+    bytes with more buffers, so a sub-tile's TMA store is almost never still
+    reading its buffer when the buffer comes round again.
+    """
+    return EPI_BUFFERS * DTYPE_BYTES["fp32"] * 8 // out_bits
 
 
 def split_k_partials_offset(tiles):

@@ -33,12 +33,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.space import (
-    EPI_BUFFERS,
     EPI_SUBTILE_N,
     SPLIT_K_COUNTERS,
     TILE_K,
     GemmConfig,
     InvalidConfig,
+    epi_buffers,
     split_k_partials_offset,
 )
 
@@ -81,7 +81,6 @@ class Sm90GemmKernel:
         self.ring_consumer_warps = 1 + self.mma_groups * _WARPS_PER_GROUP
         self.ring_words = ClaimRing.storage_words(self.sched)
         self.epi_tile = (cfg.tile_m, EPI_SUBTILE_N)
-        self.epi_stages = EPI_BUFFERS
 
     @staticmethod
     def can_implement(cfg: GemmConfig, layout: str) -> None:
@@ -129,6 +128,7 @@ class Sm90GemmKernel:
         self.tile_mnk = (*self.tile_mn, TILE_K)
         self.a_mcast = self.cluster_mn[1]
         self.b_mcast = self.cluster_mn[0]
+        self.epi_stages = epi_buffers(self.c_dtype.width)
         self.a_smem, self.b_smem, self.c_smem = self._smem_layouts()
 
     def _smem_layouts(self):
@@ -477,13 +477,8 @@ class Sm90GemmKernel:
         subtiles = cute.size(tiles, mode=[1])
         store_pipe, store_warp = e.store_pipe, e.store_warp
         for sub in cutlass.range_constexpr(subtiles):
-            for i in cutlass.range_constexpr(cute.size(e.sub_acc)):
-                v, rest = i % e.chunk_vals, i // e.chunk_vals
-                block, chunk = rest % e.row_blocks, sub * e.sub_chunks + rest // e.row_blocks
-                e.sub_acc[i] = e.tRS_acc[v + e.chunk_vals * chunk + e.block_vals * block]
-            e.sub_out.store(e.sub_acc.load().to(self.c_dtype))
             buf = (subtiles_done + sub) % self.epi_stages
-            cute.copy(e.r2s, e.sub_out, e.tRS_sC[(None, None, None, buf)])
+            self._stage_subtile(e, sub, buf)
             # Generic-proxy smem writes must be visible to the TMA store.
             cute.arch.fence_proxy("async.shared", space="cta")
             e.bar.arrive_and_wait()
@@ -493,6 +488,16 @@ class Sm90GemmKernel:
                 store_pipe.producer_acquire()
             e.bar.arrive_and_wait()
         return subtiles_done + subtiles
+
+    @cute.jit
+    def _stage_subtile(self, e: "_Epilogue", sub: int, buf):
+        """Accumulator columns of epilogue sub-tile `sub`, in the output dtype, into smem buffer `buf`."""
+        for i in cutlass.range_constexpr(cute.size(e.sub_acc)):
+            v, rest = i % e.chunk_vals, i // e.chunk_vals
+            block, chunk = rest % e.row_blocks, sub * e.sub_chunks + rest // e.row_blocks
+            e.sub_acc[i] = e.tRS_acc[v + e.chunk_vals * chunk + e.block_vals * block]
+        e.sub_out.store(e.sub_acc.load().to(self.c_dtype))
+        cute.copy(e.r2s, e.sub_out, e.tRS_sC[(None, None, None, buf)])
 
 
 class _Epilogue:

@@ -10,8 +10,8 @@ Two forms, both driven by ``offs`` (int32, cumulative group ends on device):
   ``[offs[g-1], offs[g])``. One TMA descriptor covers all of A: a tile reads
   from its group's first row plus its own offset, so rows of the next group
   may be loaded but never stored. Tiles that end inside their group store
-  by TMA; a group's last, partial tile stores from registers with a row
-  mask, so the next group's rows stay untouched.
+  by TMA; a group's last, partial tile leaves smem in row-masked copies,
+  so the next group's rows stay untouched.
 - ``"k"`` (G problems of M x N with their own K, packed along K): A (M, ΣK),
   B (N, ΣK) ("tn") or (ΣK, N) ("nn"), out (G, M, N); group g is the K range
   ``[offs[g-1], offs[g])``, each a multiple of `TILE_K` so a k-block never
@@ -39,7 +39,7 @@ from kernels.sm90.gemm import (
     _WARPS_PER_GROUP,
     Sm90GemmKernel,
 )
-from kernels.space import TILE_K, GemmConfig, InvalidConfig
+from kernels.space import EPI_SUBTILE_N, TILE_K, GemmConfig, InvalidConfig
 
 # The warp that builds the group table (free before the roles split).
 _TABLE_WARP = 2
@@ -244,11 +244,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))).shape, cutlass.Float32)
-        # `thr_mma` is a warpgroup's slice (for the smem operands); the masked
-        # store needs this thread's own accumulator coordinates.
-        thr_acc = tiled_mma.get_slice(mma_tidx)
-        tCcC = thr_acc.partition_C(cute.make_identity_tensor((tm, tn)))
         epi = self._epilogue(tiled_mma, sC, acc, mma_tidx, warp_idx)
+        s2g = self._row_copy(mma_tidx)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         subtiles_done = Int32(0)
@@ -263,13 +260,48 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                 gC = cute.local_tile(cute.domain_offset((row0, 0, 0), mC), (tm, tn), (0, n, lc))
                 subtiles_done = self._store_tile(epi, acc, tma_c, gC, subtiles_done)
             else:
-                # The group ends inside this tile: mask rows of the next group.
                 gC = cute.local_tile(cute.domain_offset((row0, 0, 0), c3), (tm, tn), (0, n, lc))
-                tCgC = thr_acc.partition_C(gC)
-                cols_left = n_total - n * tn
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    r, col = tCcC[i]
-                    if r < rows_left and col < cols_left:
-                        tCgC[i] = acc[i].to(self.c_dtype)
+                subtiles_done = self._store_rows(epi, s2g, gC, rows_left, n_total - n * tn, subtiles_done)
             work = sched.advance()
         epi.store_pipe.producer_tail()
+
+    def _row_copy(self, mma_tidx):
+        """This thread's slice of a 16-byte-per-thread copy of an epilogue sub-tile, row by row."""
+        vec = 128 // self.c_dtype.width
+        per_row = EPI_SUBTILE_N // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype, num_bits_per_copy=128)
+        threads = cute.make_ordered_layout((self.mma_threads // per_row, per_row), order=(1, 0))
+        return atom, cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec))).get_slice(mma_tidx)
+
+    @cute.jit
+    def _store_rows(self, e, s2g, gC_tile, rows_left, cols_left, subtiles_done):
+        """Store the first `rows_left` rows of a tile whose group ends inside it.
+
+        TMA stores cannot stop at the group's last row, so the sub-tiles go
+        through the same smem buffers and leave them in row-masked 16-byte
+        copies: coalesced, unlike per-accumulator stores. Returns the
+        sub-tiles staged so far.
+        """
+        atom, thr_copy = s2g
+        tm, tn, _ = self.tile_mnk
+        # Earlier tiles' TMA stores may still read the buffers about to be rewritten.
+        store_pipe, store_warp = e.store_pipe, e.store_warp
+        if store_warp:
+            store_pipe.producer_tail()
+        e.bar.arrive_and_wait()
+        coords = cute.make_identity_tensor((tm, tn))
+        subtiles = tn // EPI_SUBTILE_N
+        for sub in cutlass.range_constexpr(subtiles):
+            buf = (subtiles_done + sub) % self.epi_stages
+            self._stage_subtile(e, sub, buf)
+            # One barrier a sub-tile: a buffer is rewritten only `epi_stages`
+            # sub-tiles later, after every thread passed a later barrier.
+            e.bar.arrive_and_wait()
+            src = thr_copy.partition_S(e.sC[(None, None, buf)])
+            dst = thr_copy.partition_D(cute.local_tile(gC_tile, self.epi_tile, (0, sub)))
+            at = thr_copy.partition_D(cute.local_tile(coords, self.epi_tile, (0, sub)))
+            for i in cutlass.range_constexpr(cute.size(src, mode=[1])):
+                r, col = at[(0, i, 0)]
+                if r < rows_left and col < cols_left:
+                    cute.copy(atom, src[(None, i, None)], dst[(None, i, None)])
+        return subtiles_done + subtiles
