@@ -164,10 +164,22 @@ def _assert_close(got, ref, case=""):
 @pytest.mark.parametrize("layout", ["tn", "nn"])
 @pytest.mark.parametrize("cfg", GPU_CFGS, ids=lambda c: c.name())
 def test_rows_form_every_pattern(cfg, layout):
-    run = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout=layout, grouped="rows")
+    _check_rows_patterns(cfg, layout, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GPU_CFGS[1:3], ids=lambda c: c.name())
+def test_rows_form_fp32_out(cfg):
+    # fp32 partial tiles leave smem in 4-value copies through two buffers, not 8 through four.
+    _check_rows_patterns(cfg, "tn", "fp32")
+
+
+def _check_rows_patterns(cfg, layout, dtype_out):
+    run = kc.get_kernel(cfg, dtype_in="bf16", dtype_out=dtype_out, layout=layout, grouped="rows")
+    torch_out = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_out]
     for name, sizes in _rows_patterns().items():
         a, b, offs = _rows_case(sizes, 264, 320, layout, extra_rows=19 if name == "short_offs" else 0)
-        out = torch.full((a.shape[0], 264), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full((a.shape[0], 264), float("nan"), device="cuda", dtype=torch_out)
         run(a, b, offs, out)
         torch.cuda.synchronize()
         _assert_close(out, _rows_reference(a, b, offs, layout), name)
