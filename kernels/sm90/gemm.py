@@ -232,9 +232,7 @@ class Sm90GemmKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == _LOAD_WARP:
-            for atom in (tma_a, tma_b, tma_c):
-                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        self._prefetch_descriptors(warp_idx, (tma_a, tma_b, tma_c))
 
         (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
          sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
@@ -352,6 +350,13 @@ class Sm90GemmKernel:
         return last
 
     # ------------------------------------------------------------------ pieces shared with the grouped kernels
+
+    @cute.jit
+    def _prefetch_descriptors(self, warp_idx, atoms) -> None:
+        """The load warp pulls the TMA descriptors of `atoms` into cache before their first use."""
+        if warp_idx == _LOAD_WARP:
+            for atom in atoms:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
     def _cta_start(self, a_smem, b_smem, c_smem) -> tuple:
         """What every sm90 kernel of the pool sets up first: the CTA's place in

@@ -157,9 +157,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == _LOAD_WARP:
-            for atom in (tma_a, tma_b, tma_c):
-                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        self._prefetch_descriptors(warp_idx, (tma_a, tma_b, tma_c))
 
         (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
          sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
