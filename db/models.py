@@ -105,3 +105,42 @@ class Winner(Base):
 
     key: Mapped[GemmKey] = relationship(back_populates="winner")
     env: Mapped[Environment] = relationship()
+
+
+class MRange(Base):
+    """One interval of a family's M map (a family is a key without M): every
+    M in [m_lo, m_hi] runs `config` (None: cuBLAS). `evidence` holds the
+    interleaved measurements behind the choice, one entry per measured M
+    ({"m": M, "ms": {candidate name: ms}}, cuBLAS under "cublas"); `source`
+    says who measured them ("ladder": `tuner tune`, "online": a live call)."""
+
+    __tablename__ = "tuner_m_ranges"
+    __table_args__ = (
+        Index(
+            "ix_tuner_m_ranges_family", "n", "k", "arch", "dtype_in", "dtype_out", "layout", "groups",
+            "group_k", "carveout", "device", "m_lo",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    arch: Mapped[str] = mapped_column(String(16))
+    device: Mapped[str] = mapped_column(String(128))
+    dtype_in: Mapped[str] = mapped_column(String(8))
+    dtype_out: Mapped[str] = mapped_column(String(8))
+    layout: Mapped[str] = mapped_column(String(4))
+    n: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)
+    groups: Mapped[int] = mapped_column(Integer, default=1)
+    group_k: Mapped[str] = mapped_column(String(256), default="")
+    carveout: Mapped[int] = mapped_column(Integer, default=0)
+    env_id: Mapped[int] = mapped_column(ForeignKey("tuner_environments.id"))
+    m_lo: Mapped[int] = mapped_column(Integer)
+    m_hi: Mapped[int] = mapped_column(Integer)
+    config_name: Mapped[str] = mapped_column(String(160))
+    scheduler: Mapped[str] = mapped_column(String(32))
+    config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    evidence: Mapped[list] = mapped_column(JSON, default=list)
+    source: Mapped[str] = mapped_column(String(16))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now, onupdate=_now)
+
+    env: Mapped[Environment] = relationship()

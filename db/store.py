@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterable
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db.engine import configure, engine_kwargs, make_engine, resolve_url
 from db.migrate import upgrade
-from db.models import Environment, GemmKey, Trial, Winner
+from db.models import Environment, GemmKey, MRange, Trial, Winner
 
 KEY_FIELDS = (
     "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups", "group_k", "carveout",
 )
+# A family is a key without M: the unit an M map covers.
+FAMILY_FIELDS = tuple(f for f in KEY_FIELDS if f != "m")
+
+
+# Who measured a range of an M map.
+LADDER = "ladder"
+ONLINE = "online"
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,35 @@ class WinnerView:
             "speedup": self.speedup, "best_by_scheduler": self.best_by_scheduler, "trials": self.trials,
             "backend": self.backend, "versions": self.versions, "updated_at": self.updated_at.isoformat(),
         }
+
+
+@dataclass(frozen=True)
+class RangeView:
+    """One interval of a family's M map, detached from the session: every M in
+    [m_lo, m_hi] runs `config` (None: cuBLAS); `evidence` is the measurements
+    behind the choice ({"m": M, "ms": {candidate: ms}}, cuBLAS as "cublas")."""
+
+    family: dict[str, Any]
+    m_lo: int
+    m_hi: int
+    config_name: str
+    scheduler: str
+    config: dict | None
+    evidence: list[dict]
+    source: str
+    backend: str
+    versions: dict[str, str]
+    updated_at: datetime
+
+    def covers(self, m: int) -> bool:
+        return self.m_lo <= m <= self.m_hi
+
+    def stale(self, versions: dict[str, str]) -> bool:
+        return self.versions != versions
+
+    def nearest_point(self, m: int) -> dict:
+        """The evidence point nearest to `m` in ratio."""
+        return min(self.evidence, key=lambda p: (abs(math.log(p["m"] / m)), -p["m"]))
 
 
 @dataclass(frozen=True)
@@ -210,6 +247,45 @@ class Store:
             stmt = stmt.where(Environment.backend == backend)
         return stmt
 
+    # -- M maps -------------------------------------------------------------------
+
+    def set_ranges(self, family: dict[str, Any], env_id: int, ranges: list[dict[str, Any]]) -> None:
+        """Replace `family`'s map (on its device) by `ranges` (dicts of m_lo, m_hi,
+        config_name, scheduler, config, evidence), measured by `tuner tune`.
+        Online points the new map covers go; those beyond it stay."""
+        match = _key_filter(family, fields=FAMILY_FIELDS)
+        lo, hi = min(r["m_lo"] for r in ranges), max(r["m_hi"] for r in ranges)
+        with self.session() as s, s.begin():
+            s.execute(delete(MRange).filter_by(**match).where(
+                (MRange.source != ONLINE) | ((MRange.m_hi >= lo) & (MRange.m_lo <= hi))))
+            s.add_all(MRange(**match, env_id=env_id, source=LADDER, **r) for r in ranges)
+
+    def add_online_range(self, family: dict[str, Any], env_id: int, rng: dict[str, Any]) -> bool:
+        """Store a choice a live call measured, unless a range already covers
+        its M (another process got there first). True when stored."""
+        match = _key_filter(family, fields=FAMILY_FIELDS)
+        with self.session() as s, s.begin():
+            taken = s.scalar(select(MRange.id).filter_by(**match).where(
+                MRange.m_lo <= rng["m_hi"], MRange.m_hi >= rng["m_lo"]).limit(1))
+            if taken is not None:
+                return False
+            s.add(MRange(**match, env_id=env_id, source=ONLINE, **rng))
+            return True
+
+    def ranges(self, **filters: Any) -> list[RangeView]:
+        """Map intervals whose family matches every given field (None = any),
+        by device and M."""
+        unknown = set(filters) - set(FAMILY_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown filter fields: {sorted(unknown)}")
+        clean = {f: v for f, v in filters.items() if v is not None}
+        stmt = select(MRange, Environment).join(Environment, MRange.env_id == Environment.id)
+        for name, value in _key_filter(clean, partial=True, fields=FAMILY_FIELDS).items():
+            stmt = stmt.where(getattr(MRange, name) == value)
+        stmt = stmt.order_by(MRange.n, MRange.k, MRange.device, MRange.m_lo, MRange.id)
+        with self.session() as s:
+            return [_range_view(r, e) for r, e in s.execute(stmt)]
+
     # -- export / import ---------------------------------------------------------
 
     def export(self, **filters: Any) -> list[dict[str, Any]]:
@@ -235,9 +311,9 @@ class Store:
         return count
 
 
-def _key_filter(key: dict[str, Any], partial: bool = False) -> dict[str, Any]:
+def _key_filter(key: dict[str, Any], partial: bool = False, fields: tuple[str, ...] = KEY_FIELDS) -> dict[str, Any]:
     out = {}
-    for name in KEY_FIELDS:
+    for name in fields:
         if name not in key:
             if partial:
                 continue
@@ -247,6 +323,16 @@ def _key_filter(key: dict[str, Any], partial: bool = False) -> dict[str, Any]:
             value = ",".join(map(str, value))
         out[name] = value
     return out
+
+
+def _range_view(r: MRange, e: Environment) -> RangeView:
+    family = {name: getattr(r, name) for name in FAMILY_FIELDS}
+    family["group_k"] = [int(x) for x in r.group_k.split(",")] if r.group_k else []
+    return RangeView(
+        family=family, m_lo=r.m_lo, m_hi=r.m_hi, config_name=r.config_name, scheduler=r.scheduler,
+        config=r.config, evidence=r.evidence, source=r.source, backend=e.backend, versions=e.versions,
+        updated_at=r.updated_at,
+    )
 
 
 def _view(w: Winner, k: GemmKey, e: Environment) -> WinnerView:

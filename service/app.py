@@ -1,14 +1,15 @@
 """The HTTP service over the winners database (OpenAPI at /docs).
 
-`GET /v1/best` answers "which config for this key": the winner of the exact
-key, else of the nearest tuned M (`tuner.lookup.nearest_m`). Without
-`device`, every device of the arch with a winner for the key's (dtypes,
-layout, N, K, groups) competes: the nearest tuned M wins, then a measured
-(gpu) result over a modeled one, then the latest. `stale` compares the
-winner's versions with `current_versions` when the caller sends them (what it
-runs), else with the newest environment recorded for the winner's device and
-backend: a winner is stale once that device has been tuned under other
-software.
+`GET /v1/best` answers "which config for this key" by the rule `gemm` uses
+(`tuner.lookup.decide`): the interval of the family's M map that covers M,
+with the measurements behind it; for a family without a map, the winner
+tuned at M or, within its own interval, the nearest tuned M's; else 404.
+Without `device`, every device of the arch with results for the family
+(dtypes, layout, N, K, groups) competes: a measured (gpu) result over a
+modeled one, then a map interval, then the latest. `stale` compares the
+choice's versions with `current_versions` when the caller sends them (what it
+runs), else with the newest environment recorded for its device and backend:
+a choice is stale once that device has been tuned under other software.
 
 `POST /v1/results` imports records in the `tuner export` form behind a bearer
 token: the server's TUNER_TOKEN. Without one configured imports are refused
@@ -40,15 +41,15 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from db.engine import resolve_url
 from db.models import Environment
-from db.store import Store, WinnerView
+from db.store import Store
 from service.cache import MISSING, Cache
 from service.schemas import (
     MAX_IMPORT, Best, BestQuery, Health, Imported, Key, Record, RecordIn, Results, ResultsQuery,
 )
-from tuner.lookup import nearest_m
+from tuner.lookup import RANGE, Decision, decide
 
 TOKEN_ENV = "TUNER_TOKEN"
-# Winners of one key family (every M, every device of an arch) a lookup reads.
+# Winners of one family (every M, every device of an arch) a lookup reads.
 _MAX_FAMILY = 100_000
 
 
@@ -140,9 +141,9 @@ async def healthz(store: Reader) -> Health:
     return Health(status="ok")
 
 
-@_router.get("/v1/best", response_model=Best, responses={404: {"description": "No winner for the key at any M."}})
+@_router.get("/v1/best", response_model=Best, responses={404: {"description": "No measured choice covers the key."}})
 async def best(q: Annotated[BestQuery, Query()], store: Reader, cache: Answers) -> Best:
-    """The config serving a key: exact, else the nearest tuned M."""
+    """The choice serving a key: its family's M map interval, else the exact or nearest winner."""
     # Blocks the loop on a cache miss (about a millisecond): cheaper than a
     # thread hop for every request.
     dtype_out = q.dtype_out or q.dtype
@@ -150,25 +151,30 @@ async def best(q: Annotated[BestQuery, Query()], store: Reader, cache: Answers) 
         arch=q.arch, device=q.device, dtype_in=q.dtype, dtype_out=dtype_out, layout=q.layout,
         n=q.n, k=q.k, groups=q.groups, group_k="", carveout=q.carveout,
     )
-    family = cache.get(
-        ("family", *fields.values()), lambda: store.winners(limit=_MAX_FAMILY, **fields),
+    ranges, winners = cache.get(
+        ("family", *fields.values()),
+        lambda: (store.ranges(**fields), store.winners(limit=_MAX_FAMILY, **fields)),
     )
-    if not family:
+    found = _pick(q.m, ranges, winners)
+    if found is None:
         where = f"device {q.device!r}" if q.device else f"any {q.arch} device"
         raise HTTPException(404, (
-            f"no winner for {q.arch} {q.dtype}>{dtype_out} {q.layout} N={q.n} K={q.k} groups={q.groups}"
-            f"{f' carveout={q.carveout}' if q.carveout else ''} on {where} at any M"
+            f"no measured choice covers M={q.m} for {q.arch} {q.dtype}>{dtype_out} {q.layout} N={q.n} "
+            f"K={q.k} groups={q.groups}{f' carveout={q.carveout}' if q.carveout else ''} on {where}"
         ))
-    w = _pick(family, q.m)
+    device, d = found
     current = q.current_versions
     if current is None:
-        env = (w.key["device"], w.backend)
+        env = (device, d.backend)
         current = cache.get(("versions", *env), lambda: _newest_versions(store, *env))
+    updated = _range_time(ranges, device, d)
     return Best(
-        key=Key(**{**w.key, "m": q.m}), name=w.name, config=w.config, config_name=w.config_name,
-        scheduler=w.scheduler, ms=w.ms, baseline_ms=w.baseline_ms, speedup=w.speedup, backend=w.backend,
-        versions=w.versions, current_versions=current, stale=w.stale(current), exact=w.key["m"] == q.m,
-        tuned_m=w.key["m"], updated_at=w.updated_at,
+        key=Key(**{**fields, "device": device, "m": q.m, "group_k": []}),
+        name=d.winner.name if d.winner else _family_name(winners, device),
+        config=d.config, config_name=d.config_name, scheduler=d.scheduler, ms=d.ms,
+        baseline_ms=d.baseline_ms, speedup=d.speedup, backend=d.backend, versions=d.versions,
+        current_versions=current, stale=d.stale(current), exact=d.exact, tuned_m=d.tuned_m,
+        how=d.how, interval=d.interval, evidence=list(d.evidence), reason=d.describe(), updated_at=updated,
     )
 
 
@@ -228,12 +234,31 @@ class _KnownAnswers:
 
 
 
-def _pick(family: list[WinnerView], m: int) -> WinnerView:
-    """The nearest tuned M over every device; among devices tuned at that M a
-    measured result over a modeled one, then the latest."""
-    tuned = nearest_m(m, [w.key["m"] for w in family])
-    at_m = [w for w in family if w.key["m"] == tuned]
-    return min(at_m, key=lambda w: (w.backend != "gpu", -w.updated_at.timestamp()))
+def _pick(m: int, ranges: list, winners: list) -> tuple[str, Decision] | None:
+    """`decide` on each device's results; among devices a measured (gpu)
+    choice over a modeled one, then a map interval, then the latest."""
+    devices = sorted({r.family["device"] for r in ranges} | {w.key["device"] for w in winners})
+    found = []
+    for device in devices:
+        d = decide(m, [r for r in ranges if r.family["device"] == device],
+                   [w for w in winners if w.key["device"] == device])
+        if d is not None:
+            found.append((device, d))
+    if not found:
+        return None
+    return min(found, key=lambda pair: (pair[1].backend != "gpu", pair[1].how != RANGE,
+                                        -_range_time(ranges, *pair).timestamp()))
+
+
+def _range_time(ranges: list, device: str, d: Decision):
+    """When the range (or winner) behind `d` was stored."""
+    if d.winner is not None:
+        return d.winner.updated_at
+    return next(r.updated_at for r in ranges if r.family["device"] == device and r.covers(d.m))
+
+
+def _family_name(winners: list, device: str) -> str:
+    return next((w.name for w in winners if w.key["device"] == device and w.name), "")
 
 
 def _newest_versions(store: Store, device: str, backend: str) -> dict[str, str]:

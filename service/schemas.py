@@ -123,9 +123,13 @@ class ResultsQuery(BaseModel):
 
 
 class Best(BaseModel):
-    """The winner serving a key. `key` is the key asked for (its device
-    resolved); `tuned_m` is the M the winner was tuned at. `config` is None
-    when cuBLAS won."""
+    """The choice serving a key. `key` is the key asked for (its device
+    resolved). `how`: "range" (an interval of the family's M map, `interval`,
+    with the measurements behind it in `evidence`), "exact" (the winner tuned
+    at M) or "nearest" (a family without a map: the winner of a tuned M whose
+    own interval holds M). `tuned_m` is the measured M nearest to the key's;
+    `ms` and `baseline_ms` are the choice's and cuBLAS's times there. `config`
+    is None when cuBLAS is the choice."""
 
     key: Key
     name: str
@@ -141,6 +145,10 @@ class Best(BaseModel):
     stale: bool
     exact: bool
     tuned_m: int
+    how: str
+    interval: Optional[tuple[int, int]] = None
+    evidence: list[dict] = []
+    reason: str
     updated_at: datetime
 
 

@@ -55,7 +55,7 @@ def test_import_is_cheap_and_exports_the_functions():
         "import sys, tuner; assert 'torch' not in sys.modules and 'sqlalchemy' not in sys.modules;"
         # Importing the submodule tuner.lookup must not hide the function of that name.
         "import tuner.dispatch, tuner.lookup; from tuner import lookup, gemm, explain;"
-        "from tuner.lookup import nearest_m;"
+        "from tuner.lookup import decide;"
         "assert lookup is tuner.lookup is sys.modules['tuner.lookup'].lookup, lookup;"
         "assert gemm is sys.modules['tuner.dispatch'].gemm"
     )
@@ -130,17 +130,18 @@ def test_decision_rules_over_a_real_store(db):
     assert (exact.path, exact.exact, exact.tuned_m, exact.config_name) == ("kernel", True, 128, cfg.name())
     near = dispatch.explain_key(key(100))
     assert (near.path, near.exact, near.tuned_m) == ("kernel", False, 128)
-    assert "nearest tuned M=128" in near.reason
+    assert "nearest tuned M=128" in near.reason and near.interval is None
+    assert dispatch.explain_key(key(200)).path == "torch"  # over sqrt(2) from 128: not measured
     stale = dispatch.explain_key(key(128, n=2 * N))
     assert (stale.path, stale.stale, stale.fallback) == ("torch", True, True)
     assert "stale" in stale.reason and "torch" in stale.reason
-    cublas = dispatch.explain_key(key(64, n=3 * N))
+    cublas = dispatch.explain_key(key(100, n=3 * N))
     assert (cublas.path, cublas.fallback, cublas.config_name) == ("torch", False, "cublas")
     # Split 4 ways, K = 1032 leaves slices that are not 16-byte multiples.
     unfit = dispatch.explain_key(key(4096, k=K + 8))
     assert unfit.path == "torch" and "cannot run this shape" in unfit.reason
     missing = dispatch.explain_key(key(128, n=4 * N))
-    assert missing.path == "torch" and "no tuned winner" in missing.reason
+    assert missing.path == "torch" and "no measured choice" in missing.reason
     grouped = dispatch.explain_key(key(1000, groups=8))
     assert (grouped.path, grouped.tuned_m) == ("kernel", 1024)
     assert dispatch.explain_key(key(1024, groups=4)).path == "torch"

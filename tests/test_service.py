@@ -25,9 +25,9 @@ MORE_SHAPES = "1,16,64,128,256,512,1024,2048 2560 10240 name=gemma3-4b.down\n"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tune(shapes: Path, db: Path, trials: int = 6) -> subprocess.Popen:
+def _tune(shapes: Path, db: Path, trials: int = 6, ladder: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tuner.cli", "tune", "--backend", "model", "--trials", str(trials),
-           "--shapes", str(shapes), "--db", str(db)]
+           "--shapes", str(shapes), "--db", str(db), "--ladder" if ladder else "--no-ladder"]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -107,12 +107,42 @@ def test_tuned_key_answers_with_its_stored_winner(client, tuned_db):
     assert client.get("/healthz").json() == {"status": "ok"}
 
 
-def test_nearest_tuned_m_answers(client):
-    # Tuned at 128 and 2048: 1000 is nearer 2048 in ratio, 200 nearer 128.
-    far = _best(client, m=1000, device=MODEL_DEVICE).json()
-    assert (far["exact"], far["tuned_m"], far["key"]["m"]) == (False, 2048, 1000)
-    near = _best(client, m=200).json()
-    assert (near["exact"], near["tuned_m"]) == (False, 128)
+def test_without_a_ladder_the_map_spans_the_listed_m_only(client):
+    # Tuned at 128 and 2048 with --no-ladder: the map still measures between
+    # them (1600 is served from the probes nearest it), and nothing below 128.
+    mid = _best(client, m=1600, device=MODEL_DEVICE).json()
+    assert (mid["exact"], mid["key"]["m"], mid["how"]) == (False, 1600, "range")
+    assert mid["interval"][0] <= 1600 <= mid["interval"][1] and 1290 <= mid["tuned_m"] <= 2048
+    below = _best(client, m=100)
+    assert below.status_code == 404 and "no measured choice covers M=100" in below.json()["detail"]
+
+
+def test_best_serves_the_family_map_by_the_rule_gemm_uses(tmp_path, monkeypatch):
+    from tuner import dispatch
+    from tuner.key import Key, Problem
+
+    (tmp_path / "s.txt").write_text("64,700 1536 1152 name=gemma3-1b.qkv\n")
+    db = tmp_path / "ladder.db"
+    out, _ = _tune(tmp_path / "s.txt", db, trials=4, ladder=True).communicate(timeout=300)
+    ranges = Store(str(db), writer=False).ranges(n=1536, k=1152)
+    assert ranges[0].m_lo == 1 and ranges[-1].m_hi == 700
+    server = _Server(db, None)
+    monkeypatch.setattr(dispatch, "_versions", lambda device: ranges[0].versions)
+    dispatch.configure(str(db))
+    try:
+        for m in (1, 3, 64, 65, 100, 333, 699, 700, 701):
+            r = httpx.get(server.url + "/v1/best", params={"m": m, "n": 1536, "k": 1152})
+            why = dispatch.explain_key(Key("sm90", MODEL_DEVICE, Problem(m, 1536, 1152)))
+            if m > 700:
+                assert r.status_code == 404 and why.path == "torch" and "no measured choice" in why.reason
+                continue
+            body = r.json()
+            assert body["how"] == "range" and body["config_name"] == why.config_name
+            assert tuple(body["interval"]) == why.interval and body["interval"][0] <= m <= body["interval"][1]
+            assert body["reason"] in why.reason and body["evidence"]
+    finally:
+        dispatch.configure(None)
+        server.stop()
 
 
 def test_staleness_against_the_callers_versions(client):
@@ -125,7 +155,7 @@ def test_staleness_against_the_callers_versions(client):
 def test_unknown_key_is_404_with_a_message(client):
     r = _best(client, m=128, n=2568)
     assert r.status_code == 404
-    assert "no winner" in r.json()["detail"] and "N=2568" in r.json()["detail"]
+    assert "no measured choice" in r.json()["detail"] and "N=2568" in r.json()["detail"]
     assert _best(client, m=128, device="H200-nowhere").status_code == 404
 
 
@@ -174,7 +204,8 @@ def test_writes_need_the_token(client):
 
 def test_authorized_import_is_served(client):
     record = _best(client, m=2048).json()
-    imported = {k: v for k, v in record.items() if k not in ("current_versions", "stale", "exact", "tuned_m")}
+    answer_only = ("current_versions", "stale", "exact", "tuned_m", "how", "interval", "evidence", "reason")
+    imported = {k: v for k, v in record.items() if k not in answer_only}
     imported["key"] = {**record["key"], "device": "NVIDIA H100 80GB HBM3", "m": 4096}
     imported["backend"] = "gpu"
     auth = {"Authorization": f"Bearer {TOKEN}"}

@@ -5,7 +5,7 @@ import pytest
 from db.engine import resolve_url
 from db.store import Store
 from tuner.key import Key, Problem
-from tuner.lookup import lookup, nearest_m
+from tuner.lookup import EXACT, NEAREST, lookup
 
 VERSIONS = {"torch": "2.13", "cutlass-dsl": "4.8.1"}
 
@@ -54,18 +54,19 @@ def test_winner_roundtrip_speedup_and_staleness(tmp_path):
     assert store.winner(key.to_dict()).ms == 0.4
 
 
-def test_nearest_m_rule(tmp_path):
-    assert nearest_m(100, []) is None
-    assert nearest_m(100, [64, 128]) == 128  # log-distance 0.36 vs 0.25
-    assert nearest_m(96, [64, 144]) == 144  # equal ratio 1.5: the larger M
-    assert nearest_m(1, [16, 128]) == 16
+def test_family_without_a_map_serves_a_winner_only_within_its_own_interval(tmp_path):
     store = Store(str(tmp_path / "t.db"))
     for m in (16, 512, 8192):
         _store_winner(store, _key(m))
-    d = lookup(store, _key(600), VERSIONS)
-    assert (d.exact, d.tuned_m, d.stale) == (False, 512, False)
-    assert lookup(store, _key(512), {"torch": "other"}).stale
-    assert lookup(store, _key(512, n=1024), VERSIONS) is None
+    d = lookup(store, _key(600))  # 600 / 512 < sqrt(2)
+    assert (d.how, d.exact, d.tuned_m, d.stale(VERSIONS)) == (NEAREST, False, 512, False)
+    assert lookup(store, _key(512)).how == EXACT
+    assert lookup(store, _key(512)).stale({"torch": "other"})
+    # 1100 is over sqrt(2) from 512 and from 8192: no measurement, no choice.
+    assert lookup(store, _key(1100)) is None
+    assert lookup(store, _key(1)) is None
+    assert lookup(store, _key(22)).tuned_m == 16  # 22 / 16 < sqrt(2)
+    assert lookup(store, _key(512, n=1024)) is None
 
 
 def test_export_import_keeps_faster(tmp_path):

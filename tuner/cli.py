@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kernels.space import ARCHS, SCHEDULERS
+from kernels.space import ARCHS
 from tuner.key import Key
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
+# Progress bars go to stderr, so stdout stays the tables (or JSON) alone.
+err_console = Console(stderr=True)
 
 BACKENDS = ("model", "gpu")
 # Trials per key when --trials is not given. A GPU trial costs a compile and
@@ -54,16 +58,22 @@ def tune(
     shapes: Path = typer.Option(..., "--shapes", help="Shape file: one GEMM key per line."),
     backend: str = typer.Option("model", help="Measurement backend: model or gpu."),
     arch: str = typer.Option("sm90", help="Target architecture: sm90 or sm100."),
-    trials: Optional[int] = typer.Option(None, min=1, help="Measured trials per key."),
+    trials: Optional[int] = typer.Option(None, min=1, help="Measured trials per listed key."),
     seconds: Optional[float] = typer.Option(None, min=1, help="Time budget per key, in seconds."),
+    ladder: bool = typer.Option(
+        True, help="Also tune every power of two of M up to each family's largest, then measure "
+        "where each winner holds (the M map gemm serves from)."),
     force: bool = typer.Option(False, help="Retune keys that already have a current winner."),
     only: Optional[str] = typer.Option(
         None, help="Only keys whose name matches this glob (e.g. 'gemma3-27b.*')."),
+    as_json: bool = typer.Option(False, "--json", help="Print the M maps as JSON."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Search the kernel pool for every key of a shape file and store the winners."""
+    """Search the kernel pool for every family of a shape file and store its M map."""
     from db.store import Store
-    from tuner.search import Budget, tune_key
+    from tuner.ladder import tune_family
+    from tuner.lookup import family_of
+    from tuner.search import Budget
     from tuner.shapes import ShapeFileError, parse_shapes
 
     # The whole file is checked before the database is opened: a bad line
@@ -81,22 +91,28 @@ def tune(
     bk = _backend(backend, arch)
     store = Store(db)
     budget = Budget(trials=trials or DEFAULT_TRIALS[backend], seconds=seconds)
-    outcomes = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        for entry in entries:
-            key = Key(arch, bk.device_name, entry.problem)
-            label = f"{entry.name or '-'} {entry.problem.label()}"
-            task = progress.add_task(label, total=budget.trials)
+    families: dict[tuple, list] = {}
+    for entry in entries:
+        key = Key(arch, bk.device_name, entry.problem)
+        families.setdefault(tuple(map(str, family_of(key).values())), []).append((entry.name, key))
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=False) as progress:
+        for members in families.values():
+            name = members[0][0]
 
-            def advance(done: int, total: int, task=task) -> None:
-                progress.update(task, completed=done, total=total)
+            def on_rung(key: Key, listed: bool, name=name):
+                label = f"{name or '-'} {key.problem.label()}" + ("" if listed else " (rung)")
+                task = progress.add_task(label, total=None)
 
-            outcome = tune_key(key, bk, store, budget, name=entry.name, force=force, on_trial=advance)
-            progress.update(task, completed=budget.trials, description=label + (" (done before)" if outcome.skipped else ""))
-            outcomes.append(outcome)
-    console.print(_winners_table([o.winner for o in outcomes], f"Winners ({bk.device_name}, {arch})"))
+                def advance(done: int, total: int) -> None:
+                    progress.update(task, completed=done, total=total)
+                return advance
+
+            tune_family([k for _, k in members], bk, store, budget, name=name, ladder=ladder,
+                        force=force, on_rung=on_rung)
+    maps = _family_maps(store, arch=arch, device=bk.device_name, names=[m[0][0] for m in families.values()])
     store.close()
+    _print_maps(maps, as_json, f"M maps ({bk.device_name}, {arch})")
 
 
 @app.command()
@@ -108,21 +124,52 @@ def show(
     n: Optional[int] = typer.Option(None, help="Only this N."),
     k: Optional[int] = typer.Option(None, help="Only this K."),
     groups: Optional[int] = typer.Option(None, help="Only this group count."),
+    family: bool = typer.Option(False, "--family", help="Show each family's M map instead of the winners."),
     limit: int = typer.Option(200, min=1, max=100_000, help="Rows at most."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Show stored winners with each scheduler's best time and the cuBLAS baseline."""
+    """Show stored winners (cuBLAS time and each scheduler's best in --json), or M maps."""
     from db.store import Store
 
     store = Store(db)
+    if family:
+        maps = _family_maps(store, arch=arch, device=device, n=n, k=k, groups=groups)
+        store.close()
+        _print_maps(maps, as_json, f"{len(maps)} families")
+        return
     rows = store.winners(
         limit=limit, arch=arch, device=device, backend=backend, m=m, n=n, k=k, groups=groups,
     )
-    if not rows:
-        console.print("no winners match")
-        return
-    console.print(_winners_table(rows, f"{len(rows)} winners"))
     store.close()
+    if as_json:
+        print(json.dumps([w.to_record() for w in rows], indent=1))
+    elif not rows:
+        console.print("no winners match")
+    else:
+        console.print(_winners_table(rows, f"{len(rows)} winners"))
+
+
+@app.command()
+def plot(
+    family: str = typer.Option(..., "--family", help="Key name (glob) of the family, e.g. 'gemma3-27b.qkv'."),
+    output: Path = typer.Option(..., "-o", "--output", help="PNG file to write."),
+    device: Optional[str] = typer.Option(None, help="Only this device name."),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Draw a family's M map: time against M for the choice and for cuBLAS."""
+    from db.store import Store
+    from tuner.plots import plot_family
+
+    store = Store(db)
+    maps = [fm for fm in _family_maps(store, device=device) if fnmatch.fnmatchcase(fm.name, family)]
+    store.close()
+    if not maps:
+        _fail(f"no family with an M map has a name matching {family!r}")
+    if len(maps) > 1:
+        _fail(f"{len(maps)} families match {family!r}: " + ", ".join(sorted({fm.name for fm in maps})))
+    plot_family(maps[0], output)
+    console.print(f"wrote {output}")
 
 
 @app.command("export")
@@ -208,23 +255,111 @@ def serve(
     )
 
 
+_SCHEDULER_SHORT = {"single_tile": "single", "static_persistent": "static", "dynamic_persistent": "dynamic"}
+
+
+def short_config(config_name: str) -> str:
+    """A config name without its arch, the scheduler abbreviated: fits a table column."""
+    if "-" not in config_name:
+        return config_name
+    sched, rest = config_name.split("-", 2)[1:]
+    return f"{_SCHEDULER_SHORT.get(sched, sched)}-{rest}"
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...]) -> Table:
+    """A table that fits 80 columns and folds rather than cutting a cell to "…"."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, title_justify="left")
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right", overflow="fold")
+    return table
+
+
 def _winners_table(rows, title: str) -> Table:
-    scheds = [s for s in SCHEDULERS if any(s in w.best_by_scheduler for w in rows)]
-    table = Table(title=title)
-    for col in ("name", "M", "N", "K", "G", "winner", "ms", "cuBLAS ms", "speedup"):
-        table.add_column(col, justify="right" if col not in ("name", "winner") else "left")
-    for s in scheds:
-        table.add_column(f"{s} ms", justify="right")
+    grouped = any(w.key["groups"] > 1 for w in rows)
+    columns = ["name", "M", "N", "K", *(["G"] if grouped else []), "winner", "ms", "cuBLAS", "x"]
+    table = _table(title, columns, ("name", "winner"))
     for w in rows:
         k = w.key
         kk = ",".join(map(str, k["group_k"])) if k["group_k"] else str(k["k"])
-        cells = [
-            w.name or "-", str(k["m"]), str(k["n"]), kk, str(k["groups"]),
-            w.config_name, f"{w.ms:.4f}", f"{w.baseline_ms:.4f}", f"{w.speedup:.2f}x",
-        ]
-        cells += [f"{w.best_by_scheduler[s]:.4f}" if s in w.best_by_scheduler else "-" for s in scheds]
-        table.add_row(*cells)
+        table.add_row(
+            w.name or "-", str(k["m"]), str(k["n"]), kk, *([str(k["groups"])] if grouped else []),
+            short_config(w.config_name), f"{w.ms:.4f}", f"{w.baseline_ms:.4f}", f"{w.speedup:.2f}",
+        )
     return table
+
+
+@dataclass(frozen=True)
+class FamilyMap:
+    name: str
+    family: dict
+    ranges: list
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name, "family": self.family,
+            "ranges": [
+                {"m_lo": r.m_lo, "m_hi": r.m_hi, "choice": r.config_name, "config": r.config,
+                 "source": r.source, "backend": r.backend, "evidence": r.evidence}
+                for r in self.ranges
+            ],
+        }
+
+
+def _family_maps(store, names: list[str] | None = None, **filters) -> list[FamilyMap]:
+    """Stored M maps, one per family and device, named after their keys' name."""
+    from db.store import FAMILY_FIELDS
+
+    named = {}
+    for w in store.winners(limit=1_000_000, **filters):
+        named.setdefault(_family_id(w.key), w.name)
+    maps: dict[tuple, list] = {}
+    for r in store.ranges(**filters):
+        maps.setdefault(_family_id(r.family), []).append(r)
+    out = [FamilyMap(named.get(fid, "-"), {f: rs[0].family[f] for f in FAMILY_FIELDS}, rs)
+           for fid, rs in maps.items()]
+    if names is not None:
+        out = [fm for fm in out if fm.name in names]
+    return out
+
+
+def _family_id(fields: dict) -> tuple:
+    from db.store import FAMILY_FIELDS
+
+    return tuple(str(fields[f]) for f in FAMILY_FIELDS)
+
+
+def _print_maps(maps: list[FamilyMap], as_json: bool, title: str) -> None:
+    from tuner.lookup import BASELINE, speedup_at
+
+    if as_json:
+        print(json.dumps([fm.to_json() for fm in maps], indent=1))
+        return
+    if not maps:
+        console.print("no M maps match")
+        return
+    console.print(title, highlight=False)
+    for fm in maps:
+        f = fm.family
+        head = (f"{fm.name}: N={f['n']} K={f['k']}" + (f" G={f['groups']}" if f["groups"] > 1 else "")
+                + f" {f['dtype_in']}>{f['dtype_out']} {f['layout']} {f['arch']} {f['device']}")
+        table = _table(head, ["M from", "M to", "choice", "pts", "x min", "x max"], ("choice",))
+        for r in fm.ranges:
+            if r.config is None:
+                # cuBLAS: how close the best kernel came at the points the range covers.
+                covered = [p for p in r.evidence if r.covers(p["m"])] or r.evidence
+                ratios = [speedup_at(p, n) for p in covered for n in p["ms"] if n != BASELINE]
+            else:
+                ratios = [speedup_at(p, r.config_name) for p in r.evidence]
+            spread = (f"{min(ratios):.2f}", f"{max(ratios):.2f}") if ratios else ("-", "-")
+            table.add_row(str(r.m_lo), str(r.m_hi), short_config(r.config_name) + _source_mark(r.source),
+                          str(len(r.evidence)), *spread)
+        console.print(table)
+    console.print("x: cuBLAS time / choice time at the measured points (cuBLAS rows: the\n"
+                  "best kernel's at the points they cover); * measured online", highlight=False)
+
+
+def _source_mark(source: str) -> str:
+    return " *" if source == "online" else ""
 
 
 if __name__ == "__main__":

@@ -14,12 +14,16 @@ is (G, K, N), by the same two conventions per group. The key is (total M, N,
 K, G), and the winner runs the pool's grouped kernel (`kernels.grouped`,
 "rows" form); torch's fallback is `torch._grouped_mm`.
 
-The winner for a key is the exact key's, else the nearest tuned M's
-(`tuner.lookup`). cuBLAS (through torch) runs instead when the tensors are on
-the CPU, their dtypes or strides are not the pool's, a pointer is not 16-byte
-aligned, the shape breaks the pool's operand rules, no winner exists, cuBLAS
-won the tuning, or the winner is stale (measured under other software
-versions). Every fallback but the cuBLAS winner warns once per reason and key.
+The choice for a key comes from its family's M map (`tuner.lookup`: a kernel
+runs at an M only inside an interval where it was measured at least as fast as
+cuBLAS). cuBLAS (through torch) runs instead when the tensors are on the CPU,
+their dtypes or strides are not the pool's, a pointer is not 16-byte aligned,
+the shape breaks the pool's operand rules, no measurement covers the M,
+cuBLAS was measured fastest, or the choice is stale (measured under other
+software versions). Every fallback but a measured cuBLAS choice warns once
+per reason and key. With online tuning on (`configure(online=True)` or
+TUNER_ONLINE=1, `tuner.online`), an M no measurement covers is measured on its
+first call and the result stored.
 
 A decision is made once per key and kept in the process: later calls cost a
 few attribute checks and a dict lookup, never a database query. Winners
@@ -63,9 +67,11 @@ class Explanation:
     """Which path `gemm` takes for a call, and why.
 
     `path` is "kernel" (a tuned kernel of the pool) or "torch" (cuBLAS on
-    CUDA). `fallback` is True when torch runs although the tuning did not
-    choose it. `exact` is None when no winner was consulted; `tuned_m` is the
-    M the winner was tuned at (not the call's M on a nearest-M match).
+    CUDA). `fallback` is True when torch runs although no measurement chose
+    it. `exact` is None when nothing stored was consulted; `tuned_m` is the
+    measured M nearest to the call's behind the choice; `interval` the M
+    interval of the family's map that covers the call (None without a map),
+    and `evidence` a line on the measurements behind it.
     """
 
     path: str
@@ -76,6 +82,8 @@ class Explanation:
     exact: bool | None = None
     tuned_m: int | None = None
     stale: bool = False
+    interval: tuple[int, int] | None = None
+    evidence: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,18 +104,23 @@ class _State:
         self.launchers: dict[tuple, Callable] = {}
         self.warned: set[tuple[str, str]] = set()
         self.lock = threading.Lock()
+        self.online: bool | None = None  # None: $TUNER_ONLINE decides
+        self.writer = None  # the store online tuning writes to, opened on first use
 
 
 _state = _State()
 
 
-def configure(db: str | None = None) -> None:
-    """Read winners from `db` (URL or SQLite path; None: $TUNER_DB, else the
-    default file) and forget every decision made so far."""
+def configure(db: str | None = None, *, online: bool | None = None) -> None:
+    """Read choices from `db` (URL or SQLite path; None: $TUNER_DB, else the
+    default file) and forget every decision made so far. `online=True` measures
+    an M no interval covers on its first call (`tuner.online`); None leaves it
+    to $TUNER_ONLINE."""
     with _state.lock:
-        if _state.store is not None:
-            _state.store.close()
-        _state.url, _state.store = db, None
+        for store in (_state.store, _state.writer):
+            if store is not None:
+                store.close()
+        _state.url, _state.store, _state.writer, _state.online = db, None, None, online
         _state.decisions.clear()
         _state.launchers.clear()
         _state.warned.clear()
@@ -203,7 +216,10 @@ def _decision(a, b, out, offs, layout, build: bool = True) -> _Decision:
         return _Decision(Explanation(
             TORCH, "first call for this key came during CUDA graph capture: call once before capturing"))
     with _state.lock:
-        decision = _state.decisions.get(cache_key) or _Decision(*_choose_on_device(*key_fields))
+        decision = _state.decisions.get(cache_key)
+        if decision is None:
+            measure = _live_measure(a, b, offs, layout, din, dout) if build and _online() else None
+            decision = _Decision(*_choose_on_device(*key_fields, measure=measure))
         if build and decision.config is not None and decision.runner is None:
             decision = _build(decision, a.device.index, din, dout, layout, grouped=offs is not None)
         _state.decisions[cache_key] = decision
@@ -244,7 +260,8 @@ def _tensor_reason(a, b, out, offs, layout, din, dout) -> str | None:
     return None
 
 
-def _choose_on_device(device_index, din, dout, layout, m, n, k, groups) -> tuple[Explanation, object]:
+def _choose_on_device(device_index, din, dout, layout, m, n, k, groups,
+                      measure=None) -> tuple[Explanation, object]:
     from tuner.key import Key, Problem
 
     major, minor = torch.cuda.get_device_capability(device_index)
@@ -255,14 +272,15 @@ def _choose_on_device(device_index, din, dout, layout, m, n, k, groups) -> tuple
         problem = Problem(m, n, k, groups, din, dout, layout)
     except InvalidConfig as exc:
         return Explanation(TORCH, f"shape outside the pool's operand rules: {exc}"), None
-    return _choose(Key(arch, torch.cuda.get_device_name(device_index), problem))
+    return _choose(Key(arch, torch.cuda.get_device_name(device_index), problem), measure)
 
 
-def _choose(key) -> tuple[Explanation, object]:
-    """The rule: the key's winner (exact, else nearest M) if it is current and
-    can run the shape; torch otherwise. Returns the explanation and the config."""
+def _choose(key, measure=None) -> tuple[Explanation, object]:
+    """The rule of `tuner.lookup` over the store; with `measure` (online
+    tuning) an M no measured interval covers is measured now. Returns the
+    explanation and, on the kernel path, the config."""
     from kernels.space import GemmConfig, check_problem
-    from tuner.lookup import lookup
+    from tuner.lookup import RANGE, lookup
 
     from kernels.grouped import MAX_GROUPS
 
@@ -273,23 +291,29 @@ def _choose(key) -> tuple[Explanation, object]:
     if store is None:
         return Explanation(TORCH, f"no winners database at {_sqlite_path(_state.url)}", key=name), None
     current = _versions(key.device)
-    found = lookup(store, key, current)
+    found = lookup(store, key)
+    if found is None and measure is not None:
+        from tuner import online
+
+        found = online.tune(_writer(), key, measure, "gpu", current)
     if found is None:
-        return Explanation(TORCH, "no tuned winner for this key or any M of its (N, K)", key=name), None
-    w = found.winner
-    seen = dict(key=name, config_name=w.config_name, exact=found.exact, tuned_m=found.tuned_m, stale=found.stale)
-    if w.config is None:
-        return Explanation(TORCH, "cuBLAS won the tuning for this key", fallback=False, **seen), None
-    if found.stale:
-        changed = sorted(f for f in set(w.versions) | set(current) if w.versions.get(f) != current.get(f))
-        return Explanation(TORCH, f"winner is stale: measured under other {', '.join(changed)} versions", **seen), None
+        return Explanation(TORCH, (
+            f"no measured choice covers M={p.m} for this (N, K): tune the family with a ladder "
+            f"(`tuner tune`), or opt in to online tuning (TUNER_ONLINE=1)"), key=name), None
+    seen = dict(key=name, config_name=found.config_name, exact=found.exact, tuned_m=found.tuned_m,
+                stale=found.stale(current), interval=found.interval, evidence=found.describe())
+    if found.config is None:
+        how = "measured fastest" if found.how == RANGE else "won the tuning for this key"
+        return Explanation(TORCH, f"cuBLAS {how}: {found.describe()}", fallback=False, **seen), None
+    if seen["stale"]:
+        changed = sorted(f for f in set(found.versions) | set(current) if found.versions.get(f) != current.get(f))
+        return Explanation(TORCH, f"choice is stale: measured under other {', '.join(changed)} versions", **seen), None
     try:
-        cfg = GemmConfig.from_dict(w.config)
+        cfg = GemmConfig.from_dict(found.config)
         check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
     except (InvalidConfig, TypeError) as exc:
-        return Explanation(TORCH, f"winner {w.config_name} cannot run this shape: {exc}", **seen), None
-    how = "exact key" if found.exact else f"nearest tuned M={found.tuned_m}"
-    return Explanation(KERNEL, f"tuned winner ({how})", fallback=False, **seen), cfg
+        return Explanation(TORCH, f"choice {found.config_name} cannot run this shape: {exc}", **seen), None
+    return Explanation(KERNEL, f"tuned kernel: {found.describe()}", fallback=False, **seen), cfg
 
 
 def _build(decision: _Decision, device_index: int, din: str, dout: str, layout: str, grouped: bool) -> _Decision:
@@ -305,6 +329,62 @@ def _build(decision: _Decision, device_index: int, din: str, dout: str, layout: 
         why = f"winner {decision.explanation.config_name} failed to build: {type(exc).__name__}: {exc}"
         return _Decision(replace(decision.explanation, path=TORCH, reason=why, fallback=True))
     return replace(decision, runner=runner)
+
+
+def _online() -> bool:
+    if _state.online is None:
+        from tuner.online import enabled_by_env
+
+        return enabled_by_env()
+    return _state.online
+
+
+def _writer():
+    """The store online tuning writes to (the readers' database, opened for writing)."""
+    if _state.writer is None:
+        from db.engine import resolve_url
+        from db.store import Store
+
+        _state.writer = Store(resolve_url(_state.url))
+    return _state.writer
+
+
+def _live_measure(a, b, offs, layout, din, dout) -> Callable:
+    """Online tuning's `measure` on this call's operands: each kernel is checked
+    against cuBLAS's result first (a wrong one is left out), then all are
+    timed interleaved (`tuner.online.time_interleaved`)."""
+    from kernels.compile import get_kernel
+    from tuner._gpu_worker import REL_ERR_LIMIT, rel_error
+    from tuner.online import time_interleaved
+
+    dtype_out = {v: k for k, v in _DTYPE_NAMES.items()}[dout]
+    scratch = torch.empty((a.shape[0], b.shape[-1]), dtype=dtype_out, device=a.device)
+
+    def measure(cands):
+        reference = _torch_gemm(a, b, scratch, offs).float()
+        launches, slots = [], []
+        for i, cfg in enumerate(cands):
+            if cfg is None:
+                launches.append(lambda: _torch_gemm(a, b, scratch, offs))
+                slots.append(i)
+                continue
+            try:
+                with torch.cuda.device(a.device):
+                    runner = get_kernel(cfg, dtype_in=din, dtype_out=dout, layout=layout,
+                                        grouped="rows" if offs is not None else "")
+                launch = _launcher(runner, layout == "tn")
+                if rel_error(launch(a, b, scratch, offs), reference) > REL_ERR_LIMIT[din]:
+                    continue
+            except Exception:  # a candidate that fails is left out; cuBLAS still runs
+                continue
+            launches.append(lambda launch=launch: launch(a, b, scratch, offs))
+            slots.append(i)
+        times = time_interleaved(launches)
+        out: list[float | None] = [None] * len(cands)
+        for i, t in zip(slots, times, strict=True):
+            out[i] = t
+        return out
+    return measure
 
 
 def _store():

@@ -1,11 +1,18 @@
-"""Which stored winner serves a key: shared by `gemm` and the HTTP service.
+"""Which choice serves a key: the one rule `gemm`, `explain` and `/v1/best` share.
 
-The rule: the exact key if it has a winner; otherwise, among the winners
-that share every field but M (arch, device, dtypes, layout, N, K, groups),
-the one whose M is nearest on a log scale, the larger M on a tie. M follows
-the batch, and a config tuned at M' = 2M tiles the same N x K the same way,
-so the nearest M in ratio is the best guess; the larger one on a tie because
-it fills the machine at least as well.
+A family is a key without M (arch, device, dtypes, layout, N, K, groups).
+`tuner tune` measures each family over a ladder of M and stores an M map:
+intervals of M, each with a choice (a pool config or cuBLAS) and the
+interleaved measurements behind it (`tuner.ladder`). For a key of M = m:
+
+1. the map interval that covers m gives the choice: a kernel holds there
+   because it was measured at least as fast as cuBLAS at both ends;
+2. a family with no map (a database from before M maps) serves the winner
+   tuned at m, else the winner of the nearest tuned M t, but only where m
+   lies in t's own interval [t / sqrt 2, t * sqrt 2] (the span a ladder rung
+   owns between neighbours twice as far);
+3. otherwise there is no choice: cuBLAS runs (or, opted in, `tuner.online`
+   measures this M).
 """
 
 from __future__ import annotations
@@ -13,40 +20,108 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from db.store import Store, WinnerView
+from db.store import FAMILY_FIELDS, RangeView, Store, WinnerView
 from tuner.key import Key
+
+BASELINE = "cublas"
+# How far from its own M a winner of a family without a map may serve.
+OWN_SPAN = math.sqrt(2)
+
+RANGE = "range"
+EXACT = "exact"
+NEAREST = "nearest"
 
 
 @dataclass(frozen=True)
 class Decision:
-    winner: WinnerView
-    exact: bool
-    stale: bool
+    """A choice for one M and what backs it.
+
+    `how` is RANGE (a map interval), EXACT (the winner tuned at this M) or
+    NEAREST (a map-less family's winner of a nearby M). `tuned_m` is the M
+    nearest to the call's where the choice was measured; `ms` and
+    `baseline_ms` are its and cuBLAS's times there.
+    """
+
+    m: int
+    how: str
+    config_name: str
+    scheduler: str
+    config: dict | None
+    tuned_m: int
+    ms: float
+    baseline_ms: float
+    backend: str
+    versions: dict[str, str]
+    interval: tuple[int, int] | None = None
+    evidence: tuple[dict, ...] = ()
+    source: str | None = None
+    winner: WinnerView | None = None
 
     @property
-    def tuned_m(self) -> int:
-        return self.winner.key["m"]
+    def exact(self) -> bool:
+        """Measured at this very M."""
+        return self.tuned_m == self.m
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_ms / self.ms
+
+    def stale(self, versions: dict[str, str]) -> bool:
+        return self.versions != versions
+
+    def describe(self) -> str:
+        """One line on why this choice serves the M: the interval and its evidence."""
+        if self.how == EXACT:
+            return f"winner tuned at M={self.tuned_m}"
+        if self.how == NEAREST:
+            return f"winner of the nearest tuned M={self.tuned_m} (no M map for this family)"
+        lo, hi = self.interval
+        span = f"M={lo}" if lo == hi else f"M {lo}..{hi}"
+        points = ", ".join(f"{speedup_at(p, self.config_name):.2f}x at M={p['m']}" for p in self.evidence)
+        return f"{span} ({self.source}): measured {points} over cuBLAS"
 
 
-def nearest_m(m: int, tuned: list[int]) -> int | None:
-    """The tuned M nearest to `m` in ratio; the larger on a tie."""
-    if not tuned:
+def speedup_at(point: dict, name: str) -> float:
+    """cuBLAS time over `name`'s at one evidence point."""
+    return point["ms"][BASELINE] / point["ms"][name]
+
+
+def decide(m: int, ranges: list[RangeView], winners: list[WinnerView]) -> Decision | None:
+    """The rule (module doc) over one device's map and winners of a family."""
+    for r in ranges:
+        if r.covers(m):
+            point = r.nearest_point(m)
+            return Decision(
+                m, RANGE, r.config_name, r.scheduler, r.config, point["m"], point["ms"][r.config_name],
+                point["ms"][BASELINE], r.backend, r.versions, (r.m_lo, r.m_hi), tuple(r.evidence), r.source,
+            )
+    if ranges:
         return None
-    return min(tuned, key=lambda t: (abs(math.log(t / m)), -t))
+    for w in winners:
+        if w.key["m"] == m:
+            return _from_winner(m, EXACT, w)
+    near = [w for w in winners if w.key["m"] / OWN_SPAN <= m <= w.key["m"] * OWN_SPAN]
+    if not near:
+        return None
+    best = min(near, key=lambda w: (abs(math.log(w.key["m"] / m)), -w.key["m"]))
+    return _from_winner(m, NEAREST, best)
 
 
-def lookup(store: Store, key: Key, versions: dict[str, str] | None = None) -> Decision | None:
-    """The winner for `key` (exact or nearest M), or None. Staleness is judged
-    against `versions` when given."""
-    key_dict = key.to_dict()
-    winner = store.winner(key_dict)
-    exact = winner is not None
-    if winner is None:
-        m = nearest_m(key.problem.m, store.tuned_m(key_dict))
-        if m is None:
-            return None
-        winner = store.winner(key.with_m(m).to_dict())
-        if winner is None:
-            return None
-    stale = versions is not None and winner.stale(versions)
-    return Decision(winner=winner, exact=exact, stale=stale)
+def _from_winner(m: int, how: str, w: WinnerView) -> Decision:
+    return Decision(
+        m, how, w.config_name, w.scheduler, w.config, w.key["m"], w.ms, w.baseline_ms, w.backend, w.versions,
+        winner=w,
+    )
+
+
+def family_of(key: Key) -> dict:
+    fields = key.to_dict()
+    return {f: fields[f] for f in FAMILY_FIELDS}
+
+
+def lookup(store: Store, key: Key) -> Decision | None:
+    """The decision for `key` from the store (module doc), or None: cuBLAS."""
+    family = family_of(key)
+    ranges = store.ranges(**family)
+    winners = [] if ranges else store.winners(limit=100_000, **family)
+    return decide(key.problem.m, ranges, winners)

@@ -65,12 +65,12 @@ class _Failed(Exception):
 def tune_key(
     key: Key, backend: Backend, store: Store, budget: Budget, *, name: str = "",
     force: bool = False, on_trial: Callable[[int, int], None] | None = None,
-    seeds: Sequence[GemmConfig] = (),
+    seeds: Sequence[GemmConfig] = (), explore: bool = True,
 ) -> Outcome:
     """Search the pool for `key`, store and return the winner.
 
-    A new study first measures `seeds`, then the winners of nearby tuned
-    keys and (measured backends) the model's picks, then samples.
+    A new study first measures `seeds`, then (with `explore`) the winners of
+    nearby tuned keys and (measured backends) the model's picks, then samples.
 
     A key whose winner was measured under the backend's current versions is
     skipped unless `force`.
@@ -116,8 +116,9 @@ def tune_key(
     )
     if not study.trials:
         first = list(seeds)
-        first += [c for c in _warm_start(key, store, backend.arch) if c not in first]
-        if backend.name != "model":
+        if explore:
+            first += [c for c in _warm_start(key, store, backend.arch) if c not in first]
+        if explore and backend.name != "model":
             first += [c for c in model_picks(key) if c not in first]
         for cfg in first:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)

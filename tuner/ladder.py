@@ -1,0 +1,205 @@
+"""M ladders: tune a family at every scale of M, then measure where each winner holds.
+
+A family is a key without M. Its ladder is the M values a shape file lists
+plus every power of two up to the largest, so no two rungs are more than 2x
+apart and M = 1 is always covered. Listed rungs get the full budget; the
+others are cheap: they measure their tuned neighbours' winners (compiled
+already, since one compiled kernel serves every M) and the model's best
+shapes for their own M.
+
+Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
+each pair of rungs (geometrically spaced), cuBLAS and the winners of the
+neighbouring rungs are re-measured interleaved. From those measurements
+`build_map` makes the family's M map:
+
+- at a measured M, the fastest candidate, a kernel only if it is at least as
+  fast as cuBLAS there;
+- between two measured M, the kernel measured at least as fast as cuBLAS at
+  both ends (the best by its speedups there), else cuBLAS.
+
+`tuner.lookup` serves calls from that map; nothing there is a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from db.store import Store
+from kernels import space
+from kernels.space import GemmConfig, InvalidConfig
+from tuner.key import Key
+from tuner.lookup import BASELINE, family_of
+from tuner.measure import Backend
+from tuner.search import Budget, Outcome, model_picks, tune_key
+
+# Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
+PROBES_PER_OCTAVE = 3
+# Configs a rung between listed ones measures beside its neighbours' winners:
+# the model's best shapes for that M.
+RUNG_MODEL_PICKS = 2
+
+
+@dataclass(frozen=True)
+class FamilyOutcome:
+    rungs: dict[int, Outcome]
+    ranges: list[dict]
+    validated: bool
+
+
+def rungs(listed: Sequence[int]) -> list[int]:
+    """The ladder over `listed` M values: them and every power of two up to the largest."""
+    top = max(listed)
+    powers = {1 << i for i in range(top.bit_length()) if 1 << i <= top}
+    return sorted(powers | set(listed))
+
+
+def probes(lo: int, hi: int) -> list[int]:
+    """Integer M strictly between two rungs, `PROBES_PER_OCTAVE` per doubling, geometric."""
+    count = math.ceil(math.log2(hi / lo) * PROBES_PER_OCTAVE)
+    points = {round(lo * (hi / lo) ** (i / count)) for i in range(1, count)}
+    return sorted(p for p in points if lo < p < hi)
+
+
+def tune_family(
+    keys: Sequence[Key], backend: Backend, store: Store, budget: Budget, *, name: str = "",
+    ladder: bool = True, force: bool = False,
+    on_rung: Callable[[Key, bool], Callable[[int, int], None] | None] | None = None,
+) -> FamilyOutcome:
+    """Tune the keys of one family (listed M values) and, with `ladder`, the
+    rungs between them; then validate and store the family's M map.
+
+    `on_rung(key, listed)` may return a per-trial progress callback for that rung.
+    """
+    if len({_family_tuple(k) for k in keys}) != 1:
+        raise ValueError("tune_family takes the keys of one family")
+    by_m = {k.problem.m: k for k in keys}
+    outcomes: dict[int, Outcome] = {}
+    for m in sorted(by_m):
+        outcomes[m] = tune_key(by_m[m], backend, store, budget, name=name, force=force,
+                               on_trial=on_rung and on_rung(by_m[m], True))
+    template = keys[0]
+    for m in (rungs(list(by_m)) if ladder else []):
+        if m in outcomes:
+            continue
+        key = template.with_m(m)
+        seeds = _neighbour_configs(outcomes, m)
+        if backend.name != "model":
+            seeds += [c for c in model_picks(key, RUNG_MODEL_PICKS) if c not in seeds]
+        seeds = [c for c in seeds if _runs(c, key)]
+        outcomes[m] = tune_key(
+            key, backend, store, Budget(trials=max(1, len(seeds)), seconds=budget.seconds),
+            name=name, force=force, on_trial=on_rung and on_rung(key, False), seeds=seeds, explore=False,
+        )
+    fresh = any(not o.skipped for o in outcomes.values())
+    family = family_of(template)
+    versions = backend.versions()
+    current = [r for r in store.ranges(**family) if r.source == "ladder" and not r.stale(versions)]
+    covered = current and min(r.m_lo for r in current) <= 1 and max(r.m_hi for r in current) >= max(outcomes)
+    if covered and not fresh and not force:
+        return FamilyOutcome(outcomes, [], validated=False)
+    ranges = build_map(_measure_points(template, outcomes, backend))
+    env_id = store.environment(backend.name, template.arch, template.device, versions)
+    store.set_ranges(family, env_id, ranges)
+    return FamilyOutcome(outcomes, ranges, validated=True)
+
+
+def _family_tuple(key: Key) -> tuple:
+    return tuple(sorted((f, str(v)) for f, v in family_of(key).items()))
+
+
+def _neighbour_configs(outcomes: dict[int, Outcome], m: int) -> list[GemmConfig]:
+    """The kernel winners of the nearest tuned M below and above `m`."""
+    below = [t for t in outcomes if t < m]
+    above = [t for t in outcomes if t > m]
+    near = ([max(below)] if below else []) + ([min(above)] if above else [])
+    out = []
+    for t in near:
+        cfg = outcomes[t].winner.config
+        if cfg is not None and GemmConfig.from_dict(cfg) not in out:
+            out.append(GemmConfig.from_dict(cfg))
+    return out
+
+
+def _runs(cfg: GemmConfig, key: Key) -> bool:
+    p = key.problem
+    try:
+        space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+    except InvalidConfig:
+        return False
+    return True
+
+
+def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backend) -> list[tuple[int, dict]]:
+    """Interleaved times of cuBLAS and the neighbouring rungs' winners at every
+    rung and probe: [(M, {name: ms})], by M, cuBLAS first in each dict."""
+    ladder_ms = sorted(outcomes)
+    winners = [outcomes[m].winner.config for m in ladder_ms]
+    plan: list[tuple[int, list[dict | None]]] = []
+    for i, m in enumerate(ladder_ms):
+        plan.append((m, winners[max(0, i - 1): i + 2]))
+        if i + 1 < len(ladder_ms):
+            plan += [(p, winners[i: i + 2]) for p in probes(m, ladder_ms[i + 1])]
+    points = []
+    for m, cfgs in plan:
+        key = template.with_m(m)
+        cands: list[GemmConfig | None] = [None]
+        for cfg in cfgs:
+            if cfg is not None and GemmConfig.from_dict(cfg) not in cands and _runs(GemmConfig.from_dict(cfg), key):
+                cands.append(GemmConfig.from_dict(cfg))
+        measured = backend.remeasure(key, cands)
+        times = {
+            (c.name() if c else BASELINE): r.ms for c, r in zip(cands, measured, strict=True) if r.ok
+        }
+        if BASELINE not in times:
+            raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed when validating")
+        points.append((m, times, {c.name(): c for c in cands if c is not None}))
+    return points
+
+
+def build_map(points: list[tuple[int, dict[str, float], dict[str, GemmConfig]]]) -> list[dict]:
+    """A family's M map from measured points (module doc): a list of ranges
+    (m_lo, m_hi, config_name, scheduler, config, evidence), by M, adjacent
+    ranges of one choice merged."""
+    segments: list[tuple[int, int, str, list[int]]] = []
+    for i, (m, times, _) in enumerate(points):
+        segments.append((m, m, _fastest(times), [i]))
+        if i + 1 < len(points) and points[i + 1][0] > m + 1:
+            later = points[i + 1][1]
+            segments.append((m + 1, points[i + 1][0] - 1, _holds_across(times, later), [i, i + 1]))
+    merged: list[tuple[int, int, str, list[int]]] = []
+    for seg in segments:
+        if merged and merged[-1][2] == seg[2]:
+            lo, _, choice, idx = merged[-1]
+            merged[-1] = (lo, seg[1], choice, sorted(set(idx) | set(seg[3])))
+        else:
+            merged.append(seg)
+    configs = {name: cfg for _, _, named in points for name, cfg in named.items()}
+    out = []
+    for lo, hi, choice, idx in merged:
+        cfg = configs.get(choice)
+        out.append(dict(
+            m_lo=lo, m_hi=hi, config_name=choice, scheduler=cfg.scheduler if cfg else BASELINE,
+            config=cfg.to_dict() if cfg else None,
+            evidence=[{"m": points[i][0], "ms": points[i][1]} for i in idx],
+        ))
+    return out
+
+
+def _fastest(times: dict[str, float]) -> str:
+    """The fastest at one M; cuBLAS on a tie (it is first in `times`)."""
+    return min(times, key=times.get)
+
+
+def _holds_across(first: dict[str, float], second: dict[str, float]) -> str:
+    """The kernel at least as fast as cuBLAS at both ends, best by the product
+    of its speedups there; cuBLAS if none."""
+    base1, base2 = first[BASELINE], second[BASELINE]
+    holding = [
+        name for name in first
+        if name != BASELINE and name in second and first[name] <= base1 and second[name] <= base2
+    ]
+    if not holding:
+        return BASELINE
+    return max(holding, key=lambda n: base1 / first[n] * base2 / second[n])

@@ -1,0 +1,109 @@
+"""Online tuning, opt in (PyTorch TunableOp's convention): `TUNER_ONLINE=1` or
+`tuner.dispatch.configure(online=True)`.
+
+The first `gemm` call at an M that no measured interval of its family's M map
+covers measures, on the live device and the caller's own operands, cuBLAS
+and the choices of the nearest measured M below and above (the candidates a
+ladder would validate there), interleaved, within about `BUDGET_S`. The
+fastest runs at once and is stored as a one-M range of the map with its
+measurements and source "online", so later processes use it without
+measuring. Never during CUDA graph capture or torch.compile tracing (the
+dispatcher does not reach this module then); off by default, so the default
+path never measures.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+from db.store import Store
+from kernels import space
+from kernels.space import GemmConfig, InvalidConfig
+from tuner.key import Key
+from tuner.lookup import BASELINE, Decision, decide, family_of
+
+ENV_VAR = "TUNER_ONLINE"
+# Time one new M may spend measuring, launches included.
+BUDGET_S = 0.05
+# Interleaved rounds at least, even for slow products (each candidate runs once per round).
+MIN_ROUNDS = 3
+
+# `measure(candidates)` -> ms per candidate (None: failed), cuBLAS as None in the list.
+Measure = Callable[[Sequence[GemmConfig | None]], list[float | None]]
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def candidates(store: Store, key: Key) -> list[GemmConfig]:
+    """The kernel choices of the nearest measured M below and above the key's
+    (map ranges, else tuned winners) that can run its shape."""
+    family, m, p = family_of(key), key.problem.m, key.problem
+    measured: dict[int, dict | None] = {}
+    for r in store.ranges(**family):
+        # A range's evidence includes the ends of its neighbours: keep the points it covers.
+        measured.update((point["m"], r.config) for point in r.evidence if r.covers(point["m"]))
+    for w in store.winners(limit=100_000, **family):
+        measured.setdefault(w.key["m"], w.config)
+    below = [t for t in measured if t < m]
+    above = [t for t in measured if t > m]
+    out: list[GemmConfig] = []
+    for t in ([max(below)] if below else []) + ([min(above)] if above else []):
+        if measured[t] is None:
+            continue
+        cfg = GemmConfig.from_dict(measured[t])
+        try:
+            space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+        except InvalidConfig:
+            continue
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def tune(store: Store, key: Key, measure: Measure, backend: str, versions: dict[str, str]) -> Decision | None:
+    """Measure the key's M now, store the choice (unless another process stored
+    one first) and return the decision the map then gives."""
+    cands: list[GemmConfig | None] = [None, *candidates(store, key)]
+    times = measure(cands)
+    ms = {(c.name() if c else BASELINE): t for c, t in zip(cands, times, strict=True) if t is not None}
+    if BASELINE not in ms:
+        return None
+    choice = min(ms, key=ms.get)
+    cfg = next((c for c in cands if c is not None and c.name() == choice), None)
+    env_id = store.environment(backend, key.arch, key.device, versions)
+    m = key.problem.m
+    store.add_online_range(family_of(key), env_id, dict(
+        m_lo=m, m_hi=m, config_name=choice, scheduler=cfg.scheduler if cfg else BASELINE,
+        config=cfg.to_dict() if cfg else None, evidence=[{"m": m, "ms": ms}],
+    ))
+    return decide(m, store.ranges(**family_of(key)), [])
+
+
+def time_interleaved(launches: Sequence[Callable[[], object]], budget_s: float = BUDGET_S) -> list[float]:
+    """Median ms per launch of each callable, timed round robin with CUDA
+    events on the current stream, within about `budget_s` in all."""
+    import torch
+
+    for launch in launches:
+        launch()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for launch in launches:
+        launch()
+    torch.cuda.synchronize()
+    one_round = max(time.perf_counter() - start, 1e-6)
+    rounds = max(MIN_ROUNDS, int(budget_s / one_round) - 1)
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(rounds)] for _ in launches]
+    for r in range(rounds):
+        for i, launch in enumerate(launches):
+            events[i][r][0].record()
+            launch()
+            events[i][r][1].record()
+    torch.cuda.synchronize()
+    return [statistics.median(s.elapsed_time(e) for s, e in per) for per in events]

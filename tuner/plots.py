@@ -1,0 +1,42 @@
+"""Pictures of stored results (matplotlib, written as PNG files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tuner.lookup import BASELINE
+
+
+def plot_family(fm, output: Path) -> None:
+    """Time against M of a family's M map (`tuner.cli.FamilyMap`): cuBLAS and
+    the choice at every measured point, each interval shaded by its choice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted({p["m"]: p for r in fm.ranges for p in r.evidence}.values(), key=lambda p: p["m"])
+    choice_at = {p["m"]: r.config_name for r in fm.ranges for p in r.evidence if r.covers(p["m"])}
+    names = list(dict.fromkeys(r.config_name for r in fm.ranges))
+    colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in fm.ranges:
+        ax.axvspan(r.m_lo, r.m_hi + 1, color=colours[r.config_name], alpha=0.12, lw=0)
+    ms = [p["m"] for p in points]
+    ax.plot(ms, [p["ms"][BASELINE] for p in points], "k--", marker=".", label="cuBLAS")
+    ax.plot(ms, [p["ms"][choice_at[p["m"]]] for p in points], "-", color="0.4", lw=1)
+    for name in names:
+        at = [p for p in points if choice_at[p["m"]] == name]
+        ax.scatter([p["m"] for p in at], [p["ms"][name] for p in at], color=colours[name], zorder=3,
+                   label=name.removeprefix(f"{fm.family['arch']}-"))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("M")
+    ax.set_ylabel("ms")
+    f = fm.family
+    ax.set_title(f"{fm.name}: N={f['n']} K={f['k']} on {f['device']} (shaded: choice per M interval)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
