@@ -1,0 +1,143 @@
+"""`gemm` against cuBLAS at M values the ladders did not tune, per family.
+
+    python -m bench.dynamic_m --db DB --shapes FILE [FILE ...] [--points 64] [--seed 0]
+                              [--rounds 25] [--out bench/results]
+
+For every family (N, K) of the shape files, tuned beforehand into DB with
+`tuner tune --backend gpu` (ladders on), times `tuner.gemm(x, W.t())`
+against `F.linear(x, W)` at `--points` M values drawn log-uniformly from 1 to
+8192 with a fixed seed, skipping the family's rungs, and at the rungs
+themselves. Each product is timed with CUDA events around one call after a
+write of twice the L2 size (so the operands come from DRAM, as in a model's
+forward), the two paths alternating call by call, `--rounds` calls each;
+medians. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
+times, cuBLAS / gemm, the path `gemm` took and the interval of the map
+behind it; per family and overall the geometric mean and the worst ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from bench.kernels_sm90 import device_slug
+from bench.record import save
+from tuner import dispatch
+from tuner.ladder import rungs
+from tuner.shapes import parse_shapes
+
+M_MAX = 8192
+
+
+def random_ms(count: int, seed: int, exclude: set[int]) -> list[int]:
+    """`count` distinct M, log-uniform on [1, M_MAX], none in `exclude`."""
+    rng = random.Random(seed)
+    out: set[int] = set()
+    while len(out) < count:
+        m = round(math.exp(rng.uniform(0.0, math.log(M_MAX))))
+        if m not in exclude:
+            out.add(m)
+    return sorted(out)
+
+
+def families(paths: list[str]) -> dict[tuple[int, int], tuple[str, list[int]]]:
+    """(N, K) -> (name, listed M) over the shape files' dense keys."""
+    out: dict[tuple[int, int], tuple[str, list[int]]] = {}
+    for path in paths:
+        for e in parse_shapes(path):
+            p = e.problem
+            if p.groups == 1 and not p.carveout:
+                out.setdefault((p.n, p.k), (e.name, []))[1].append(p.m)
+    return out
+
+
+def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor) -> tuple[float, float]:
+    """Median ms of F.linear and of gemm on cold-L2 operands, alternating."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    calls = (lambda: torch.mm(x, w.t(), out=out), lambda: dispatch.gemm(x, w.t(), out))
+    for call in calls:
+        call()
+    times: list[list[float]] = [[], []]
+    for r in range(rounds):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            flush.add_(1)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            calls[i]()
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def check(x: torch.Tensor, w: torch.Tensor) -> float:
+    want = F.linear(x.float(), w.float())
+    got = dispatch.gemm(x, w.t()).float()
+    return (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
+
+
+def summary(points: list[dict]) -> dict:
+    ratios = [p["ratio"] for p in points]
+    return {"geomean": math.exp(statistics.fmean(map(math.log, ratios))), "min": min(ratios),
+            "kernel_share": sum(p["path"] == "kernel" for p in points) / len(points), "count": len(ratios)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    dispatch.configure(args.db)
+    warnings.simplefilter("ignore", dispatch.FallbackWarning)
+    dev = torch.device("cuda", 0)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    flush = torch.empty(2 * l2 // 4, dtype=torch.float32, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    record = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "seed": args.seed,
+              "rounds": args.rounds, "families": []}
+    all_random, all_rungs = [], []
+    for (n, k), (name, listed) in families(args.shapes).items():
+        ladder = rungs(listed)
+        w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
+        fam = {"name": name, "n": n, "k": k, "rungs": ladder, "random": [], "at_rungs": []}
+        for kind, ms in (("random", random_ms(args.points, args.seed, set(ladder))), ("at_rungs", ladder)):
+            for m in ms:
+                x = (torch.randn(m, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
+                why = dispatch.explain(x, w.t())
+                err = check(x, w)
+                cublas_ms, gemm_ms = time_pair(x, w, args.rounds, flush)
+                fam[kind].append({
+                    "m": m, "cublas_ms": cublas_ms, "gemm_ms": gemm_ms, "ratio": cublas_ms / gemm_ms,
+                    "path": why.path, "config": why.config_name, "interval": why.interval,
+                    "rel_err": err,
+                })
+        fam["summary"] = {"random": summary(fam["random"]), "at_rungs": summary(fam["at_rungs"])}
+        s = fam["summary"]
+        print(f"{name:22s} random geomean {s['random']['geomean']:.3f} min {s['random']['min']:.3f}"
+              f" | rungs geomean {s['at_rungs']['geomean']:.3f} min {s['at_rungs']['min']:.3f}",
+              file=sys.stderr)
+        all_random += fam["random"]
+        all_rungs += fam["at_rungs"]
+        record["families"].append(fam)
+    record["summary"] = {"random": summary(all_random), "at_rungs": summary(all_rungs)}
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--shapes", nargs="+", required=True)
+    parser.add_argument("--points", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    record = run(args)
+    save(record, args.out, f"{device_slug(record['device'])}-dynamic-m")
+
+
+if __name__ == "__main__":
+    main()

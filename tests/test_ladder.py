@@ -1,0 +1,148 @@
+"""M ladders and maps on the model backend: rungs, validation, the map rule,
+the old-database upgrade, and the CLI views of it."""
+
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic import command
+from sqlalchemy import create_engine
+
+from db.migrate import alembic_config
+from db.store import Store
+from tuner.key import Key, Problem
+from tuner.ladder import build_map, probes, rungs, tune_family
+from tuner.lookup import BASELINE, EXACT, NEAREST, RANGE, lookup, speedup_at
+from tuner.model import ModelBackend
+from tuner.search import Budget
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ladder_covers_one_to_the_largest_m_with_no_gap_over_2x():
+    for listed in ([8192], [1, 16, 128, 512, 2048, 8192], [3000], [5, 700, 6000], [1]):
+        ladder = rungs(listed)
+        assert ladder[0] == 1 and ladder[-1] == max(listed) and set(listed) <= set(ladder)
+        assert all(b <= 2 * a for a, b in zip(ladder, ladder[1:]))
+    assert rungs([1, 16, 128]) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert probes(512, 1024) == [645, 813] and probes(1, 2) == [] and probes(2, 4) == [3]
+    assert probes(2048, 3000) == [2479]  # the geometric midpoint
+
+
+def _point(m, cublas, **kernels):
+    return (m, {BASELINE: cublas, **kernels}, {})
+
+
+def test_a_kernel_holds_between_points_only_where_measured_at_least_as_fast_at_both_ends():
+    points = [
+        _point(100, 1.0, a=0.9, b=1.2),
+        _point(130, 1.0, a=0.95, b=0.99),
+        _point(170, 1.0, a=1.01, b=0.98),   # a loses here: the gap before it is b's
+        _point(220, 1.0, a=1.0, b=1.1),     # a tie goes to cuBLAS at a point
+        _point(280, 1.0, b=1.05),
+    ]
+    ranges = build_map(points)
+    spans = [(r["m_lo"], r["m_hi"], r["config_name"]) for r in ranges]
+    assert spans == [
+        (100, 130, "a"),        # point 100 a, gap a (0.9/0.95), point 130 a
+        (131, 170, "b"),        # gap: only b is <= cuBLAS at 130 and 170; point 170 b
+        (171, 280, BASELINE),   # gap 170-220: b loses at 220; a loses at 170
+    ]
+    # Every boundary carries the measurements that decided it.
+    assert [p["m"] for p in ranges[1]["evidence"]] == [130, 170]
+    assert ranges[2]["config"] is None and ranges[2]["scheduler"] == BASELINE
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ladder") / "t.db"
+    store = Store(str(path))
+    model = ModelBackend("sm90")
+    keys = [Key("sm90", model.device_name, Problem(m, 5376, 4096)) for m in (16, 700)]
+    out = tune_family(keys, model, store, Budget(trials=6), name="o")
+    return path, store, model, out
+
+
+def test_family_is_tuned_at_every_rung_and_validated(tuned):
+    path, store, model, out = tuned
+    assert sorted(out.rungs) == rungs([16, 700]) and out.validated
+    ranges = store.ranges(n=5376, k=4096)
+    assert ranges[0].m_lo == 1 and ranges[-1].m_hi == 700
+    assert all(a.m_hi + 1 == b.m_lo for a, b in zip(ranges, ranges[1:]))
+    for r in ranges:
+        assert r.source == "ladder" and r.evidence
+        if r.config is not None:
+            # A kernel serves only where it measured at least as fast as cuBLAS.
+            assert all(speedup_at(p, r.config_name) >= 1.0 for p in r.evidence)
+    # Listed rungs get the full budget; the others measure few configs.
+    listed = store.winner(Key("sm90", model.device_name, Problem(700, 5376, 4096)).to_dict())
+    rung = store.winner(Key("sm90", model.device_name, Problem(256, 5376, 4096)).to_dict())
+    assert listed.trials >= 6 and rung.trials < listed.trials
+
+
+def test_map_decides_every_m_up_to_the_largest_and_nothing_beyond(tuned):
+    path, store, model, _ = tuned
+    for m in (1, 3, 16, 17, 100, 400, 699, 700):
+        d = lookup(store, Key("sm90", model.device_name, Problem(m, 5376, 4096)))
+        assert d.how == RANGE and d.interval[0] <= m <= d.interval[1]
+        assert d.m == m and d.tuned_m in [p["m"] for p in d.evidence]
+    assert lookup(store, Key("sm90", model.device_name, Problem(701, 5376, 4096))) is None
+
+
+def test_rerun_skips_tuned_rungs_and_keeps_the_map(tuned):
+    path, store, model, _ = tuned
+    before = store.ranges(n=5376, k=4096)
+    keys = [Key("sm90", model.device_name, Problem(m, 5376, 4096)) for m in (16, 700)]
+    again = tune_family(keys, model, store, Budget(trials=6), name="o")
+    assert all(o.skipped for o in again.rungs.values()) and not again.validated
+    assert store.ranges(n=5376, k=4096) == before
+
+
+def test_database_of_the_previous_schema_upgrades_with_every_winner_kept(tmp_path):
+    path = tmp_path / "old.db"
+    engine = create_engine(f"sqlite:///{path}")
+    cfg = alembic_config(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0002")
+    con = sqlite3.connect(path)
+    con.execute("insert into tuner_environments values (1, 'fp', 'gpu', 'sm90', 'H', '{}', '2026-01-01')")
+    for i, m in enumerate((128, 512, 2048), start=1):
+        con.execute("insert into tuner_keys values (?, 'sm90', 'H', 'bf16', 'bf16', 'tn', ?, 4096, 4096, 1, '', 0, 'x')",
+                    (i, m))
+        con.execute("insert into tuner_winners values (?, ?, 1, 'cfg', 'static_persistent', null, 1.0, 1.1, 1.1,"
+                    " '{}', 3, '2026-01-01')", (i, i))
+    con.commit()
+    con.close()
+    store = Store(str(path))
+    assert store.count_winners() == 3 and store.ranges() == []
+    key = Key("sm90", "H", Problem(600, 4096, 4096))
+    assert lookup(store, key).how == NEAREST and lookup(store, key.with_m(512)).how == EXACT
+    assert lookup(store, key.with_m(1000)) is None  # over sqrt(2) from 512 and 2048
+
+
+def _cli(*args, db):
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    return subprocess.run([sys.executable, "-m", "tuner.cli", *args, "--db", str(db)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True)
+
+
+def test_show_family_fits_80_columns_when_piped_and_has_json(tuned, tmp_path):
+    path = tuned[0]
+    for args in (("show", "--family"), ("show",)):
+        out = _cli(*args, db=path).stdout
+        assert out.strip() and "…" not in out
+        assert max(map(len, out.splitlines())) <= 80, out
+    maps = json.loads(_cli("show", "--family", "--json", db=path).stdout)
+    [fm] = maps
+    assert fm["name"] == "o" and fm["ranges"][0]["m_lo"] == 1 and fm["ranges"][0]["evidence"]
+    winners = json.loads(_cli("show", "--json", db=path).stdout)
+    assert {w["key"]["m"] for w in winners} == set(rungs([16, 700]))
+    png = tmp_path / "o.png"
+    _cli("plot", "--family", "o", "-o", str(png), db=path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
