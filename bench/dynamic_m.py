@@ -1,16 +1,17 @@
 """`gemm` against cuBLAS at M values the ladders did not tune, per family.
 
-    python -m bench.dynamic_m --db DB --shapes FILE [FILE ...] [--points 64] [--seed 0]
+    python -m bench.dynamic_m --db DB --shapes FILE [FILE ...] [--only GLOB] [--points 64] [--seed 0]
                               [--rounds 25] [--out bench/results]
 
 For every family (N, K) of the shape files, tuned beforehand into DB with
 `tuner tune --backend gpu` (ladders on), times `tuner.gemm(x, W.t())`
 against `F.linear(x, W)` at `--points` M values drawn log-uniformly from 1 to
 8192 with a fixed seed, skipping the family's rungs, and at the rungs
-themselves. Each product is timed with CUDA events around one call after a
-write of twice the L2 size (so the operands come from DRAM, as in a model's
-forward), the two paths alternating call by call, `--rounds` calls each;
-medians. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
+themselves. Each path is captured in a CUDA graph of one call (so the host's
+dispatch cost, which `bench.dispatch` reports, does not blur device time)
+and timed with CUDA events around one replay after a write of twice the L2
+size (the operands come from DRAM, as in a model's forward); the two paths
+alternate replay by replay, `--rounds` each; medians. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
 times, cuBLAS / gemm, the path `gemm` took and the interval of the map
 behind it; per family and overall the geometric mean and the worst ratio.
 """
@@ -18,6 +19,7 @@ behind it; per family and overall the geometric mean and the worst ratio.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import random
 import statistics
@@ -47,34 +49,51 @@ def random_ms(count: int, seed: int, exclude: set[int]) -> list[int]:
     return sorted(out)
 
 
-def families(paths: list[str]) -> dict[tuple[int, int], tuple[str, list[int]]]:
-    """(N, K) -> (name, listed M) over the shape files' dense keys."""
+def families(paths: list[str], only: str) -> dict[tuple[int, int], tuple[str, list[int]]]:
+    """(N, K) -> (name, listed M) over the shape files' dense keys named like `only`."""
     out: dict[tuple[int, int], tuple[str, list[int]]] = {}
     for path in paths:
         for e in parse_shapes(path):
             p = e.problem
-            if p.groups == 1 and not p.carveout:
+            if p.groups == 1 and not p.carveout and fnmatch.fnmatchcase(e.name, only):
                 out.setdefault((p.n, p.k), (e.name, []))[1].append(p.m)
     return out
 
 
 def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor) -> tuple[float, float]:
-    """Median ms of F.linear and of gemm on cold-L2 operands, alternating."""
+    """Median ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands, alternating."""
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    calls = (lambda: torch.mm(x, w.t(), out=out), lambda: dispatch.gemm(x, w.t(), out))
-    for call in calls:
-        call()
+    graphs = []
+    for call in (lambda: torch.mm(x, w.t(), out=out), lambda: dispatch.gemm(x, w.t(), out)):
+        call()  # gemm decides and builds before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        graphs.append(graph)
     times: list[list[float]] = [[], []]
     for r in range(rounds):
         for i in ((0, 1) if r % 2 == 0 else (1, 0)):
             flush.add_(1)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            calls[i]()
+            graphs[i].replay()
             end.record()
             end.synchronize()
             times[i].append(start.elapsed_time(end))
     return statistics.median(times[0]), statistics.median(times[1])
+
+
+def compile_choices(db: str, fams) -> int:
+    """Compile every kernel the families' maps choose, in parallel, before timing."""
+    from db.store import Store
+    from kernels.compile import compile_many
+    from kernels.space import GemmConfig
+
+    store = Store(db, writer=False)
+    cfgs = {GemmConfig.from_dict(r.config) for n, k in fams for r in store.ranges(n=n, k=k) if r.config}
+    store.close()
+    return compile_many(sorted(cfgs, key=GemmConfig.name), workers=8)
 
 
 def check(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -99,7 +118,9 @@ def run(args: argparse.Namespace) -> dict:
     record = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "seed": args.seed,
               "rounds": args.rounds, "families": []}
     all_random, all_rungs = [], []
-    for (n, k), (name, listed) in families(args.shapes).items():
+    fams = families(args.shapes, args.only)
+    print(f"compiled {compile_choices(args.db, fams)} kernels", file=sys.stderr)
+    for (n, k), (name, listed) in fams.items():
         ladder = rungs(listed)
         w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
         fam = {"name": name, "n": n, "k": k, "rungs": ladder, "random": [], "at_rungs": []}
@@ -130,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--db", required=True)
     parser.add_argument("--shapes", nargs="+", required=True)
+    parser.add_argument("--only", default="*", help="Only families whose key name matches this glob.")
     parser.add_argument("--points", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=25)

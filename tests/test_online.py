@@ -125,7 +125,8 @@ def test_new_m_is_measured_once_then_a_second_process_uses_it(gpu_db, monkeypatc
         "print(why.reason)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))})
     assert proc.returncode == 0, proc.stderr
     assert "online" in proc.stdout
 
