@@ -146,3 +146,44 @@ def test_show_family_fits_80_columns_when_piped_and_has_json(tuned, tmp_path):
     png = tmp_path / "o.png"
     _cli("plot", "--family", "o", "-o", str(png), db=path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _RowStepBackend:
+    """Times as functions of M: cuBLAS grows smoothly; the kernel (128-row tiles)
+    steps up at every new tile row, beating cuBLAS at a row's end and losing
+    just after it starts."""
+
+    name = "synthetic"
+
+    def remeasure(self, key, cfgs, *, cold=False):
+        from tuner.measure import Measurement
+
+        m = key.problem.m
+        out = []
+        for cfg in cfgs:
+            if cfg is None:
+                out.append(Measurement(ms=1.0 + m / 1000, ok=True))
+            else:
+                rows = math.ceil(m / cfg.tile_m) * cfg.tile_m
+                out.append(Measurement(ms=1.0 + rows / 1000 - 0.01, ok=True))
+        return out
+
+
+def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
+    from kernels import space
+    from tuner.ladder import _measure, _refine
+
+    cfg = space.defaults("sm90")["static_persistent"]
+    assert cfg.tile_m == 128
+    template = Key("sm90", "synthetic", Problem(512, 4096, 4096))
+    backend = _RowStepBackend()
+    points = [_measure(template, m, [cfg], backend) for m in (512, 640, 768, 1024)]
+    # Ends of rows only: the kernel wins at all four, so one range would take it all.
+    assert [(r["m_lo"], r["m_hi"], r["config"] is not None) for r in build_map(points)] == [(512, 1024, True)]
+    ranges = build_map(_refine(template, points, backend))
+    cublas = lambda m: 1.0 + m / 1000  # noqa: E731
+    kernel = lambda m: 1.0 + math.ceil(m / 128) * 128 / 1000 - 0.01  # noqa: E731
+    for r in ranges:
+        if r["config"] is not None:
+            assert all(kernel(m) <= cublas(m) for m in range(r["m_lo"], r["m_hi"] + 1)), r
+    assert any(r["config"] is not None for r in ranges)

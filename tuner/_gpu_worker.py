@@ -46,6 +46,8 @@ TIMED_MS = 30.0
 MIN_REPLAYS = 5
 MAX_REPLAYS = 100
 MAX_LAUNCHES_PER_REPLAY = 256
+# Replays of a cold-protocol measurement (one call each) when no rounds are given.
+COLD_REPLAYS = 25
 WARMUP_LAUNCHES = 3
 # L2 of an H100, when the device does not report it.
 DEFAULT_L2_BYTES = 50 * 1024 * 1024
@@ -327,12 +329,18 @@ class _Session:
 
 
 class _Timer:
-    """A candidate ready to replay: a CUDA graph of `launches` calls, or plain launches."""
+    """A candidate ready to replay: a CUDA graph of `launches` calls, or plain launches.
 
-    def __init__(self, launch: Callable, sets: list[_Operands]):
+    With `flush` (the cold protocol), a replay is one call after a write of
+    `flush` evicts L2: the latency a model's forward sees, where other kernels
+    run between two calls of one GEMM, rather than back-to-back throughput.
+    Small products rank differently under the two (launch ramp, dirty L2).
+    """
+
+    def __init__(self, launch: Callable, sets: list[_Operands], flush=None):
         import torch
 
-        self._launch, self._sets = launch, sets
+        self._launch, self._sets, self._flush = launch, sets, flush
         self._next = 0
         for _ in range(WARMUP_LAUNCHES):
             self._one()
@@ -345,7 +353,7 @@ class _Timer:
         end.record()
         end.synchronize()
         self.estimate_ms = start.elapsed_time(end) / n
-        self.launches, self.replays = plan(self.estimate_ms)
+        self.launches, self.replays = (1, COLD_REPLAYS) if flush is not None else plan(self.estimate_ms)
         self.graph = self._capture()
         self.mode = "graph" if self.graph is not None else "events"
 
@@ -374,6 +382,8 @@ class _Timer:
         import torch
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self._flush is not None:
+            self._flush.add_(1)
         start.record()
         if self.graph is not None:
             self.graph.replay()
@@ -455,11 +465,20 @@ class Worker:
     def remeasure(self, req: dict) -> dict:
         checks = req.get("check") or [True] * len(req["configs"])
         return {"ok": True, "results": self._run(req["problem"], req["configs"], checks,
-                                                  rounds=req.get("rounds", 5))}
+                                                  rounds=req.get("rounds", 5), cold=req.get("cold", False))}
 
-    def _run(self, p: dict, cfgs: list, checks: list[bool], rounds: int | None) -> list[dict]:
+    def _flush_buffer(self):
+        """Twice L2 of fp32, written before every cold-protocol call."""
+        import torch
+
+        if getattr(self, "_flush", None) is None:
+            self._flush = torch.empty(2 * self.l2_bytes // 4, dtype=torch.float32, device="cuda")
+        return self._flush
+
+    def _run(self, p: dict, cfgs: list, checks: list[bool], rounds: int | None, cold: bool = False) -> list[dict]:
         """Check, then time `cfgs` on `p`; a failure of one candidate leaves the others."""
         s = self.session(p)
+        flush = self._flush_buffer() if cold else None
         results: list[dict | None] = [None] * len(cfgs)
         timers: list[tuple[int, _Timer]] = []
         for i, (cfg, check) in enumerate(zip(cfgs, checks, strict=True)):
@@ -476,7 +495,7 @@ class Worker:
                         results[i] = _reply(False, error=f"wrong result: relative error {err:.3g} > {limit}",
                                             rel_err=_finite(err), detail=detail)
                         continue
-                timers.append((i, _Timer(launch, s.sets)))
+                timers.append((i, _Timer(launch, s.sets, flush)))
                 results[i] = _reply(True, rel_err=_finite(err), detail=detail)
             except Exception as exc:
                 _raise_if_poisoned(exc)
@@ -491,7 +510,8 @@ class Worker:
                 ms = statistics.median(ts)
                 results[i]["ms"] = ms
                 results[i]["detail"].update(
-                    timing=t.mode, launches=t.launches, replays=len(ts), buffer_sets=s.count,
+                    timing=t.mode + (" cold" if cold else ""), launches=t.launches, replays=len(ts),
+                    buffer_sets=s.count,
                     min_ms=min(ts), tflops=_flops(p) / ms / 1e9, **hold,
                 )
         return results

@@ -64,6 +64,8 @@ def tune(
         True, help="Also tune every power of two of M up to each family's largest, then measure "
         "where each winner holds (the M map gemm serves from)."),
     force: bool = typer.Option(False, help="Retune keys that already have a current winner."),
+    revalidate: bool = typer.Option(
+        False, help="Measure the M maps again (current winners are kept, not retuned)."),
     only: Optional[str] = typer.Option(
         None, help="Only keys whose name matches this glob (e.g. 'gemma3-27b.*')."),
     as_json: bool = typer.Option(False, "--json", help="Print the M maps as JSON."),
@@ -109,7 +111,7 @@ def tune(
                 return advance
 
             tune_family([k for _, k in members], bk, store, budget, name=name, ladder=ladder,
-                        force=force, on_rung=on_rung)
+                        force=force, revalidate=revalidate, on_rung=on_rung)
     maps = _family_maps(store, arch=arch, device=bk.device_name, names=[m[0][0] for m in families.values()])
     store.close()
     _print_maps(maps, as_json, f"M maps ({bk.device_name}, {arch})")

@@ -43,6 +43,8 @@ DEFAULT_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 180.0
 # Interleaved rounds of `remeasure`: each round replays every candidate once.
 REMEASURE_ROUNDS = 15
+# Rounds of a cold-protocol `remeasure`: one call per replay, so more of them.
+COLD_ROUNDS = 25
 # Compute capability each arch's kernels need.
 _CAPABILITY = {"sm90": (9, 0), "sm100": (10, 0)}
 _STDERR_LINES = 40
@@ -296,16 +298,18 @@ class GpuBackend:
         return self._measure_one(key, None)
 
     def remeasure(self, key: Key, cfgs: list[GemmConfig | None | str],
-                  rounds: int = REMEASURE_ROUNDS) -> list[Measurement]:
+                  rounds: int | None = None, *, cold: bool = False) -> list[Measurement]:
         """Time `cfgs` (None = cuBLAS, CUBLAS_LOOP = cuBLAS per group) round robin,
-        `rounds` replays each; medians."""
+        `rounds` replays each; medians. `cold`: one call per replay after an L2
+        flush (`tuner._gpu_worker._Timer`)."""
+        rounds = rounds or (COLD_ROUNDS if cold else REMEASURE_ROUNDS)
         refusals = [self._refuse(key, cfg) for cfg in cfgs]
         runnable = [i for i, r in enumerate(refusals) if not r]
         out = [_failed(r) if r else None for r in refusals]
         if runnable:
             p = key.problem
             msg = {
-                "op": "remeasure", "problem": self._problem_json(p), "rounds": rounds,
+                "op": "remeasure", "problem": self._problem_json(p), "rounds": rounds, "cold": cold,
                 "configs": [_cfg_json(cfgs[i]) for i in runnable],
                 "check": [not self._is_verified(cfgs[i], p) for i in runnable],
             }

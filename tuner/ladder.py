@@ -9,8 +9,11 @@ shapes for their own M.
 
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
 each pair of rungs (geometrically spaced), cuBLAS and the winners of the
-neighbouring rungs are re-measured interleaved. From those measurements
-`build_map` makes the family's M map:
+neighbouring rungs are re-measured interleaved, each call alone after an L2
+flush (the latency a model's forward sees, not back-to-back throughput); a
+range a kernel takes is measured again at the first M of every tile row
+inside it (`_refine`). From those measurements `build_map` makes the
+family's M map:
 
 - at a measured M, the fastest candidate, a kernel only if it is at least as
   fast as cuBLAS there;
@@ -36,6 +39,8 @@ from tuner.search import Budget, Outcome, model_picks, tune_key
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
 PROBES_PER_OCTAVE = 3
+# Rounds of measuring kernel ranges at their tile-row starts (`_refine`).
+REFINE_ROUNDS = 3
 # Configs a rung between listed ones measures beside its neighbours' winners:
 # the model's best shapes for that M.
 RUNG_MODEL_PICKS = 2
@@ -64,11 +69,13 @@ def probes(lo: int, hi: int) -> list[int]:
 
 def tune_family(
     keys: Sequence[Key], backend: Backend, store: Store, budget: Budget, *, name: str = "",
-    ladder: bool = True, force: bool = False,
+    ladder: bool = True, force: bool = False, revalidate: bool = False,
     on_rung: Callable[[Key, bool], Callable[[int, int], None] | None] | None = None,
 ) -> FamilyOutcome:
     """Tune the keys of one family (listed M values) and, with `ladder`, the
-    rungs between them; then validate and store the family's M map.
+    rungs between them; then validate and store the family's M map (again
+    with `revalidate` or `force`, else only when a rung was tuned anew or the
+    stored map is stale or does not cover the ladder).
 
     `on_rung(key, listed)` may return a per-trial progress callback for that rung.
     """
@@ -97,9 +104,9 @@ def tune_family(
     versions = backend.versions()
     current = [r for r in store.ranges(**family) if r.source == "ladder" and not r.stale(versions)]
     covered = current and min(r.m_lo for r in current) <= 1 and max(r.m_hi for r in current) >= max(outcomes)
-    if covered and not fresh and not force:
+    if covered and not fresh and not force and not revalidate:
         return FamilyOutcome(outcomes, [], validated=False)
-    ranges = build_map(_measure_points(template, outcomes, backend))
+    ranges = build_map(_refine(template, _measure_points(template, outcomes, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
     return FamilyOutcome(outcomes, ranges, validated=True)
@@ -131,9 +138,10 @@ def _runs(cfg: GemmConfig, key: Key) -> bool:
     return True
 
 
-def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backend) -> list[tuple[int, dict]]:
-    """Interleaved times of cuBLAS and the neighbouring rungs' winners at every
-    rung and probe: [(M, {name: ms})], by M, cuBLAS first in each dict."""
+def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backend) -> list[tuple]:
+    """Interleaved cold-call times of cuBLAS and the neighbouring rungs' winners
+    at every rung and probe: [(M, {name: ms}, {name: config})], by M, cuBLAS
+    first in each dict."""
     ladder_ms = sorted(outcomes)
     winners = [outcomes[m].winner.config for m in ladder_ms]
     plan: list[tuple[int, list[dict | None]]] = []
@@ -141,20 +149,46 @@ def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backen
         plan.append((m, winners[max(0, i - 1): i + 2]))
         if i + 1 < len(ladder_ms):
             plan += [(p, winners[i: i + 2]) for p in probes(m, ladder_ms[i + 1])]
-    points = []
-    for m, cfgs in plan:
-        key = template.with_m(m)
-        cands: list[GemmConfig | None] = [None]
-        for cfg in cfgs:
-            if cfg is not None and GemmConfig.from_dict(cfg) not in cands and _runs(GemmConfig.from_dict(cfg), key):
-                cands.append(GemmConfig.from_dict(cfg))
-        measured = backend.remeasure(key, cands)
-        times = {
-            (c.name() if c else BASELINE): r.ms for c, r in zip(cands, measured, strict=True) if r.ok
-        }
-        if BASELINE not in times:
-            raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed when validating")
-        points.append((m, times, {c.name(): c for c in cands if c is not None}))
+    return [_measure(template, m, [GemmConfig.from_dict(c) for c in cfgs if c], backend) for m, cfgs in plan]
+
+
+def _measure(template: Key, m: int, cfgs: list[GemmConfig], backend: Backend) -> tuple:
+    """One validation point: cuBLAS and `cfgs` (those that can run M) timed
+    interleaved, each call alone after an L2 flush, as a model's forward runs them."""
+    key = template.with_m(m)
+    cands: list[GemmConfig | None] = [None]
+    cands += [c for i, c in enumerate(cfgs) if c not in cfgs[:i] and _runs(c, key)]
+    measured = backend.remeasure(key, cands, cold=True)
+    times = {(c.name() if c else BASELINE): r.ms for c, r in zip(cands, measured, strict=True) if r.ok}
+    if BASELINE not in times:
+        raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed when validating")
+    return m, times, {c.name(): c for c in cands if c is not None}
+
+
+def _refine(template: Key, points: list[tuple], backend: Backend) -> list[tuple]:
+    """Measure each kernel range again at the first M of every tile row inside it.
+
+    Within one tile row a kernel's time stays put while cuBLAS's can only grow
+    with M, so a row's first M is the kernel's worst point in it; a range
+    whose two ends hold can still lose inside, right after the kernel starts
+    a new row (and, past a full wave, a new wave). Repeats while the map
+    changes, `REFINE_ROUNDS` times at most.
+    """
+    for _ in range(REFINE_ROUNDS):
+        seen = {m for m, _, _ in points}
+        extra = []
+        for r in build_map(points):
+            if r["config"] is None:
+                continue
+            cfg = GemmConfig.from_dict(r["config"])
+            others = [c for p in points if r["m_lo"] <= p[0] <= r["m_hi"] for c in p[2].values() if c != cfg]
+            rows = range(r["m_lo"] // cfg.tile_m, r["m_hi"] // cfg.tile_m + 1)
+            extra += [(q * cfg.tile_m + 1, [cfg, *others]) for q in rows
+                      if r["m_lo"] < q * cfg.tile_m + 1 <= r["m_hi"] and q * cfg.tile_m + 1 not in seen]
+        if not extra:
+            break
+        points = sorted(points + [_measure(template, m, cfgs, backend) for m, cfgs in extra],
+                        key=lambda p: p[0])
     return points
 
 

@@ -35,5 +35,6 @@ class Backend(Protocol):
     def baseline(self, key: Key) -> Measurement:
         """Time the cuBLAS (torch) path on `key`'s problem."""
 
-    def remeasure(self, key: Key, cfgs: list[GemmConfig | None]) -> list[Measurement]:
-        """Time several candidates interleaved (None = the baseline), to pick a winner fairly."""
+    def remeasure(self, key: Key, cfgs: list[GemmConfig | None], *, cold: bool = False) -> list[Measurement]:
+        """Time several candidates interleaved (None = the baseline), to pick a winner
+        fairly; `cold`: each call alone after an L2 flush (latency, not throughput)."""

@@ -248,8 +248,9 @@ class ModelBackend:
             return Measurement(ms=None, ok=False, error=str(exc))
         return Measurement(ms=ms, ok=True, detail={"baseline": "modelled cuBLAS"})
 
-    def remeasure(self, key: Key, cfgs: list[GemmConfig | None]) -> list[Measurement]:
-        # The model is deterministic: interleaving changes nothing.
+    def remeasure(self, key: Key, cfgs: list[GemmConfig | None], *, cold: bool = False) -> list[Measurement]:
+        # The model is deterministic and has no cache state: interleaving and
+        # the cold protocol change nothing.
         return [self.baseline(key) if cfg is None else self.measure(key, cfg) for cfg in cfgs]
 
 
