@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--only", default="*", help="Only families whose key name matches this glob.")
     parser.add_argument("--points", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     record = run(args)

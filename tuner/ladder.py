@@ -35,7 +35,7 @@ from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
 from tuner.measure import Backend
-from tuner.search import Budget, Outcome, model_picks, tune_key
+from tuner.search import Budget, Outcome, compile_ahead, model_picks, tune_key
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
 PROBES_PER_OCTAVE = 3
@@ -106,6 +106,7 @@ def tune_family(
     covered = current and min(r.m_lo for r in current) <= 1 and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
         return FamilyOutcome(outcomes, [], validated=False)
+    compile_ahead(backend, list({GemmConfig.from_dict(o.winner.config) for o in outcomes.values() if o.winner.config}))
     ranges = build_map(_refine(template, _measure_points(template, outcomes, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)

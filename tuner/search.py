@@ -122,7 +122,7 @@ def tune_key(
             first += [c for c in model_picks(key) if c not in first]
         for cfg in first:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)
-        _prepare(backend, first)
+        compile_ahead(backend, first)
 
     def objective(trial: optuna.Trial) -> float:
         try:
@@ -182,7 +182,7 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     if ranked:
         top = GemmConfig.from_dict(ranked[0].config)
         variants = [v for v in _scheduler_variants(top) if v.name() not in measured]
-        _prepare(backend, variants)
+        compile_ahead(backend, variants)
         for variant in variants:
             measure(variant)
     best_rows: dict[str, TrialView] = {}
@@ -201,7 +201,7 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     return replace(measured[name], ms=scored[name]), dict(sorted(by_scheduler.items())), scored[BASELINE]
 
 
-def _prepare(backend: Backend, cfgs: list[GemmConfig]) -> None:
+def compile_ahead(backend: Backend, cfgs: list[GemmConfig]) -> None:
     """Let a backend that compiles do so for `cfgs` in parallel, ahead of the
     one-by-one measurements."""
     prepare = getattr(backend, "prepare", None)
