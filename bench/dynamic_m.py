@@ -11,7 +11,8 @@ themselves. Each path is captured in a CUDA graph of one call (so the host's
 dispatch cost, which `bench.dispatch` reports, does not blur device time)
 and timed with CUDA events around one replay after a write of twice the L2
 size (the operands come from DRAM, as in a model's forward); the two paths
-alternate replay by replay, `--rounds` each; medians. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
+alternate replay by replay, `--rounds` each; trimmed means
+(`tuner.measure.trimmed_mean`, as the tuner's validation uses). Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
 times, cuBLAS / gemm, the path `gemm` took and the interval of the map
 behind it; per family and overall the geometric mean and the worst ratio.
 """
@@ -33,6 +34,7 @@ from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner import dispatch
 from tuner.ladder import rungs
+from tuner.measure import trimmed_mean
 from tuner.shapes import parse_shapes
 
 M_MAX = 8192
@@ -81,7 +83,7 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
             end.record()
             end.synchronize()
             times[i].append(start.elapsed_time(end))
-    return statistics.median(times[0]), statistics.median(times[1])
+    return trimmed_mean(times[0]), trimmed_mean(times[1])
 
 
 def compile_choices(db: str, fams) -> int:
@@ -154,7 +156,7 @@ def main() -> None:
     parser.add_argument("--only", default="*", help="Only families whose key name matches this glob.")
     parser.add_argument("--points", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     record = run(args)

@@ -165,7 +165,7 @@ class _RowStepBackend:
                 out.append(Measurement(ms=1.0 + m / 1000, ok=True))
             else:
                 rows = math.ceil(m / cfg.tile_m) * cfg.tile_m
-                out.append(Measurement(ms=1.0 + rows / 1000 - 0.01, ok=True))
+                out.append(Measurement(ms=(1.0 + rows / 1000) * 0.97, ok=True))
         return out
 
 
@@ -182,7 +182,7 @@ def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
     assert [(r["m_lo"], r["m_hi"], r["config"] is not None) for r in build_map(points)] == [(512, 1024, True)]
     ranges = build_map(_refine(template, points, backend))
     cublas = lambda m: 1.0 + m / 1000  # noqa: E731
-    kernel = lambda m: 1.0 + math.ceil(m / 128) * 128 / 1000 - 0.01  # noqa: E731
+    kernel = lambda m: (1.0 + math.ceil(m / 128) * 128 / 1000) * 0.97  # noqa: E731
     for r in ranges:
         if r["config"] is not None:
             assert all(kernel(m) <= cublas(m) for m in range(r["m_lo"], r["m_hi"] + 1)), r

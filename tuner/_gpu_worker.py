@@ -28,6 +28,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from tuner.measure import trimmed_mean
+
 # A 16-bit-input GEMM accumulated in fp32 and rounded to a 16-bit output lands
 # near 1e-3..1e-2 relative Frobenius error against an fp32 reference (bf16
 # keeps 8 mantissa bits: one rounding of the output alone is ~2e-3); a wrong
@@ -412,9 +414,10 @@ def _time_interleaved(timers: list[_Timer], rounds: int, p: dict) -> tuple[list[
 
     samples: list[list[tuple]] = [[] for _ in timers]
     with _held(p) as hold:
-        for _ in range(rounds):
-            for i, t in enumerate(timers):
-                samples[i].append(t.sample())
+        for r in range(rounds):
+            # Rotate who goes first: what ran just before a call sets its clocks.
+            for i in [(r + j) % len(timers) for j in range(len(timers))]:
+                samples[i].append(timers[i].sample())
     torch.cuda.synchronize()
     times = [[t.per_launch(ev) for ev in evs] for t, evs in zip(timers, samples, strict=True)]
     return times, dict(hold)
@@ -507,7 +510,7 @@ class Worker:
             for (i, t), ts in zip(timers, times, strict=True):
                 if lapse:
                     results[i].update(ok=False, error=lapse)
-                ms = statistics.median(ts)
+                ms = trimmed_mean(ts) if cold else statistics.median(ts)
                 results[i]["ms"] = ms
                 results[i]["detail"].update(
                     timing=t.mode + (" cold" if cold else ""), launches=t.launches, replays=len(ts),

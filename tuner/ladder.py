@@ -15,10 +15,10 @@ range a kernel takes is measured again at the first M of every tile row
 inside it (`_refine`). From those measurements `build_map` makes the
 family's M map:
 
-- at a measured M, the fastest candidate, a kernel only if it is at least as
-  fast as cuBLAS there;
-- between two measured M, the kernel measured at least as fast as cuBLAS at
-  both ends (the best by its speedups there), else cuBLAS.
+- at a measured M, the fastest candidate, a kernel only if it beats cuBLAS
+  there by `HOLD_MARGIN` (1 %: a tie within noise goes to cuBLAS);
+- between two measured M, the kernel that beats cuBLAS so at both ends (the
+  best by its speedups there), else cuBLAS.
 
 `tuner.lookup` serves calls from that map; nothing there is a guess.
 """
@@ -39,6 +39,9 @@ from tuner.search import Budget, Outcome, compile_ahead, model_picks, tune_key
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
 PROBES_PER_OCTAVE = 3
+# A kernel takes a point only if cuBLAS is at least this much slower there:
+# a tie within measurement noise goes to cuBLAS.
+HOLD_MARGIN = 1.01
 # Rounds of measuring kernel ranges at their tile-row starts (`_refine`).
 REFINE_ROUNDS = 3
 # Configs a rung between listed ones measures beside its neighbours' winners:
@@ -222,19 +225,22 @@ def build_map(points: list[tuple[int, dict[str, float], dict[str, GemmConfig]]])
     return out
 
 
+def _beats(times: dict[str, float], name: str) -> bool:
+    """`name` measured faster than cuBLAS by the margin that noise cannot fake."""
+    return name != BASELINE and name in times and times[name] * HOLD_MARGIN <= times[BASELINE]
+
+
 def _fastest(times: dict[str, float]) -> str:
-    """The fastest at one M; cuBLAS on a tie (it is first in `times`)."""
-    return min(times, key=times.get)
+    """The fastest kernel at one M if it beats cuBLAS (`_beats`), else cuBLAS."""
+    best = min(times, key=times.get)
+    return best if _beats(times, best) else BASELINE
 
 
 def _holds_across(first: dict[str, float], second: dict[str, float]) -> str:
-    """The kernel at least as fast as cuBLAS at both ends, best by the product
-    of its speedups there; cuBLAS if none."""
+    """The kernel that beats cuBLAS at both ends, best by the product of its
+    speedups there; cuBLAS if none."""
     base1, base2 = first[BASELINE], second[BASELINE]
-    holding = [
-        name for name in first
-        if name != BASELINE and name in second and first[name] <= base1 and second[name] <= base2
-    ]
+    holding = [name for name in first if _beats(first, name) and _beats(second, name)]
     if not holding:
         return BASELINE
     return max(holding, key=lambda n: base1 / first[n] * base2 / second[n])

@@ -9,6 +9,25 @@ from kernels.space import GemmConfig
 from tuner.key import Key
 
 
+# Share of samples dropped at each end by `trimmed_mean`.
+TRIM = 0.2
+
+
+def trimmed_mean(samples: list[float], trim: float = TRIM) -> float:
+    """The mean of the samples left after dropping `trim` of them at each end.
+
+    Interleaved single calls come out bimodal: a call right after a heavy
+    one runs at lower clocks than one after an idle gap. With positions
+    rotated every candidate sees both modes equally, but a median then lands
+    in either mode by chance; the trimmed mean weighs both and still drops
+    the outliers.
+    """
+    ordered = sorted(samples)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut: len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
+
+
 @dataclass(frozen=True)
 class Measurement:
     """One timed (or predicted) run. `ok` is False for a config that failed to
