@@ -9,7 +9,8 @@ from tuner.lookup import BASELINE
 
 def plot_family(fm, output: Path) -> None:
     """Time against M of a family's M map (`tuner.cli.FamilyMap`): cuBLAS and
-    the choice at every measured point, each interval shaded by its choice."""
+    the choice at every measured point, each interval shaded by its choice;
+    below, cuBLAS time over the choice's and over the best kernel's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,9 +20,10 @@ def plot_family(fm, output: Path) -> None:
     choice_at = {p["m"]: r.config_name for r in fm.ranges for p in r.evidence if r.covers(p["m"])}
     names = list(dict.fromkeys(r.config_name for r in fm.ranges))
     colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, (ax, rx) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 2))
     for r in fm.ranges:
-        ax.axvspan(r.m_lo, r.m_hi + 1, color=colours[r.config_name], alpha=0.12, lw=0)
+        for axis in (ax, rx):
+            axis.axvspan(r.m_lo, r.m_hi + 1, color=colours[r.config_name], alpha=0.12, lw=0)
     ms = [p["m"] for p in points]
     ax.plot(ms, [p["ms"][BASELINE] for p in points], "k--", marker=".", label="cuBLAS")
     ax.plot(ms, [p["ms"][choice_at[p["m"]]] for p in points], "-", color="0.4", lw=1)
@@ -31,12 +33,21 @@ def plot_family(fm, output: Path) -> None:
                    label=name.removeprefix(f"{fm.family['arch']}-"))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("M")
     ax.set_ylabel("ms")
     f = fm.family
-    ax.set_title(f"{fm.name}: N={f['n']} K={f['k']} on {f['device']} (shaded: choice per M interval)")
+    ax.set_title(f"{fm.name}: N={f['n']} K={f['k']}, {f['device']}\nshaded: the choice of each M interval",
+                 fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
-    ax.grid(True, which="both", alpha=0.3)
+    best = [max(p["ms"][BASELINE] / t for t in p["ms"].values()) for p in points]
+    rx.plot(ms, [p["ms"][BASELINE] / p["ms"][choice_at[p["m"]]] for p in points], "-o", ms=3, color="0.2",
+            label="cuBLAS / choice")
+    rx.plot(ms, best, ":", color="tab:red", label="cuBLAS / fastest measured")
+    rx.axhline(1.0, color="k", lw=0.8)
+    rx.set_xlabel("M")
+    rx.set_ylabel("speedup")
+    rx.legend(fontsize=7, loc="lower left")
+    for axis in (ax, rx):
+        axis.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
