@@ -32,7 +32,23 @@ class Environment(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
 
 
-class GemmKey(Base):
+class _Family:
+    """The columns of a family: everything of a key but M."""
+
+    arch: Mapped[str] = mapped_column(String(16))
+    device: Mapped[str] = mapped_column(String(128))
+    dtype_in: Mapped[str] = mapped_column(String(8))
+    dtype_out: Mapped[str] = mapped_column(String(8))
+    layout: Mapped[str] = mapped_column(String(4))
+    n: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)
+    groups: Mapped[int] = mapped_column(Integer, default=1)
+    # Comma-separated per-group K for the seed-000 grouped form; "" otherwise.
+    group_k: Mapped[str] = mapped_column(String(256), default="")
+    carveout: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class GemmKey(_Family, Base):
     __tablename__ = "tuner_keys"
     __table_args__ = (
         UniqueConstraint(
@@ -49,18 +65,7 @@ class GemmKey(Base):
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    arch: Mapped[str] = mapped_column(String(16))
-    device: Mapped[str] = mapped_column(String(128))
-    dtype_in: Mapped[str] = mapped_column(String(8))
-    dtype_out: Mapped[str] = mapped_column(String(8))
-    layout: Mapped[str] = mapped_column(String(4))
     m: Mapped[int] = mapped_column(Integer, index=True)
-    n: Mapped[int] = mapped_column(Integer)
-    k: Mapped[int] = mapped_column(Integer)
-    groups: Mapped[int] = mapped_column(Integer, default=1)
-    # Comma-separated per-group K for the seed-000 grouped form; "" otherwise.
-    group_k: Mapped[str] = mapped_column(String(256), default="")
-    carveout: Mapped[int] = mapped_column(Integer, default=0)
     name: Mapped[str] = mapped_column(String(128), default="")
 
     winner: Mapped["Winner | None"] = relationship(back_populates="key")
@@ -107,7 +112,7 @@ class Winner(Base):
     env: Mapped[Environment] = relationship()
 
 
-class MRange(Base):
+class MRange(_Family, Base):
     """One interval of a family's M map (a family is a key without M): every
     M in [m_lo, m_hi] runs `config` (None: cuBLAS). `evidence` holds the
     interleaved measurements behind the choice, one entry per measured M
@@ -123,16 +128,6 @@ class MRange(Base):
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    arch: Mapped[str] = mapped_column(String(16))
-    device: Mapped[str] = mapped_column(String(128))
-    dtype_in: Mapped[str] = mapped_column(String(8))
-    dtype_out: Mapped[str] = mapped_column(String(8))
-    layout: Mapped[str] = mapped_column(String(4))
-    n: Mapped[int] = mapped_column(Integer)
-    k: Mapped[int] = mapped_column(Integer)
-    groups: Mapped[int] = mapped_column(Integer, default=1)
-    group_k: Mapped[str] = mapped_column(String(256), default="")
-    carveout: Mapped[int] = mapped_column(Integer, default=0)
     env_id: Mapped[int] = mapped_column(ForeignKey("tuner_environments.id"))
     m_lo: Mapped[int] = mapped_column(Integer)
     m_hi: Mapped[int] = mapped_column(Integer)

@@ -15,8 +15,7 @@ K, G), and the winner runs the pool's grouped kernel (`kernels.grouped`,
 "rows" form); torch's fallback is `torch._grouped_mm`.
 
 The choice for a key comes from its family's M map (`tuner.lookup`: a kernel
-runs at an M only inside an interval where it was measured at least as fast as
-cuBLAS). cuBLAS (through torch) runs instead when the tensors are on the CPU,
+runs at an M only inside an interval where it was measured faster than cuBLAS). cuBLAS (through torch) runs instead when the tensors are on the CPU,
 their dtypes or strides are not the pool's, a pointer is not 16-byte aligned,
 the shape breaks the pool's operand rules, no measurement covers the M,
 cuBLAS was measured fastest, or the choice is stale (measured under other

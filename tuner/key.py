@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from kernels.space import check_operands
+from kernels.space import InvalidConfig, check_operands, check_problem
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,14 @@ class Problem:
                 raise ValueError("k must be the largest per-group K")
         if self.carveout < 0:
             raise ValueError(f"carveout must be >= 0, got {self.carveout}")
+
+    def runs(self, cfg) -> bool:
+        """Whether the pool config `cfg` can run this problem (the space's rules)."""
+        try:
+            check_problem(cfg, self.m, self.n, self.k, self.groups, self.dtype_in, self.dtype_out, self.layout)
+        except InvalidConfig:
+            return False
+        return True
 
     @property
     def flops(self) -> float:

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from db.store import Store
-from kernels import space
-from kernels.space import GemmConfig, InvalidConfig
+from kernels.space import GemmConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
 from tuner.measure import Backend
@@ -97,7 +96,7 @@ def tune_family(
         seeds = _neighbour_configs(outcomes, m)
         if backend.name != "model":
             seeds += [c for c in model_picks(key, RUNG_MODEL_PICKS) if c not in seeds]
-        seeds = [c for c in seeds if _runs(c, key)]
+        seeds = [c for c in seeds if key.problem.runs(c)]
         outcomes[m] = tune_key(
             key, backend, store, Budget(trials=max(1, len(seeds)), seconds=budget.seconds),
             name=name, force=force, on_trial=on_rung and on_rung(key, False), seeds=seeds, explore=False,
@@ -133,15 +132,6 @@ def _neighbour_configs(outcomes: dict[int, Outcome], m: int) -> list[GemmConfig]
     return out
 
 
-def _runs(cfg: GemmConfig, key: Key) -> bool:
-    p = key.problem
-    try:
-        space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
-    except InvalidConfig:
-        return False
-    return True
-
-
 def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backend) -> list[tuple]:
     """Interleaved cold-call times of cuBLAS and the neighbouring rungs' winners
     at every rung and probe: [(M, {name: ms}, {name: config})], by M, cuBLAS
@@ -161,7 +151,7 @@ def _measure(template: Key, m: int, cfgs: list[GemmConfig], backend: Backend) ->
     interleaved, each call alone after an L2 flush, as a model's forward runs them."""
     key = template.with_m(m)
     cands: list[GemmConfig | None] = [None]
-    cands += [c for i, c in enumerate(cfgs) if c not in cfgs[:i] and _runs(c, key)]
+    cands += [c for i, c in enumerate(cfgs) if c not in cfgs[:i] and key.problem.runs(c)]
     measured = backend.remeasure(key, cands, cold=True)
     times = {(c.name() if c else BASELINE): r.ms for c, r in zip(cands, measured, strict=True) if r.ok}
     if BASELINE not in times:

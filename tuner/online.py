@@ -4,7 +4,8 @@
 The first `gemm` call at an M that no measured interval of its family's M map
 covers measures, on the live device and the caller's own operands, cuBLAS
 and the choices of the nearest measured M below and above (the candidates a
-ladder would validate there), interleaved, within about `BUDGET_S`. The
+ladder would validate there), interleaved, within about `BUDGET_S` (a kernel
+not yet in the compile cache is built first, which takes longer). The
 fastest runs at once and is stored as a one-M range of the map with its
 measurements and source "online", so later processes use it without
 measuring. Never during CUDA graph capture or torch.compile tracing (the
@@ -20,8 +21,7 @@ import time
 from typing import Callable, Sequence
 
 from db.store import Store
-from kernels import space
-from kernels.space import GemmConfig, InvalidConfig
+from kernels.space import GemmConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, Decision, decide, family_of
 
@@ -42,7 +42,7 @@ def enabled_by_env() -> bool:
 def candidates(store: Store, key: Key) -> list[GemmConfig]:
     """The kernel choices of the nearest measured M below and above the key's
     (map ranges, else tuned winners) that can run its shape."""
-    family, m, p = family_of(key), key.problem.m, key.problem
+    family, m = family_of(key), key.problem.m
     measured: dict[int, dict | None] = {}
     for r in store.ranges(**family):
         # A range's evidence includes the ends of its neighbours: keep the points it covers.
@@ -56,11 +56,7 @@ def candidates(store: Store, key: Key) -> list[GemmConfig]:
         if measured[t] is None:
             continue
         cfg = GemmConfig.from_dict(measured[t])
-        try:
-            space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
-        except InvalidConfig:
-            continue
-        if cfg not in out:
+        if key.problem.runs(cfg) and cfg not in out:
             out.append(cfg)
     return out
 

@@ -81,6 +81,8 @@ def tune_key(
     key_id = store.key_id(key_dict, name)
     current = store.winner(key_dict)
     if current is not None and not current.stale(versions) and not force:
+        if on_trial:
+            on_trial(current.trials, current.trials)
         return Outcome(key, current, skipped=True)
 
     measured = {t.config_name: t for t in store.trials(key_id, env_id)}
@@ -294,11 +296,7 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     candidates += [GemmConfig.from_dict(w.config) for w in near]
     out = []
     for cfg in candidates:
-        try:
-            space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
-        except InvalidConfig:
-            continue
-        if cfg not in out:
+        if p.runs(cfg) and cfg not in out:
             out.append(cfg)
     return out
 
