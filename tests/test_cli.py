@@ -1,6 +1,7 @@
 """The tuning loop end to end through the real CLI, a real SQLite file and the model backend."""
 
 import hashlib
+import json
 import os
 import signal
 import sqlite3
@@ -43,12 +44,12 @@ def test_tune_then_rerun_redoes_nothing(tmp_path):
     shapes.write_text(SMALL)
     db = tmp_path / "t.db"
     out = tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "12", db=db).stdout
-    assert "Winners" in out and "speedup" in out
-    assert count(db, "tuner_winners") == 3
-    trials = count(db, "tuner_trials")
-    out = tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "12", db=db).stdout
-    assert out.count("done before") == 3
-    assert count(db, "tuner_trials") == trials
+    assert "M maps" in out and "a: N=4096 K=4096" in out and "b: N=2048 K=1024" in out
+    # Ladders: every power of two up to 128 (family a) and up to 512 (family b).
+    assert count(db, "tuner_winners") == 8 + 10
+    trials, ranges = count(db, "tuner_trials"), count(db, "tuner_m_ranges")
+    tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "12", db=db)
+    assert (count(db, "tuner_trials"), count(db, "tuner_m_ranges")) == (trials, ranges)
 
 
 BAD_LINES = [
@@ -83,7 +84,7 @@ def test_sigkill_mid_key_then_rerun_finishes_and_keeps_trials(tmp_path):
     shapes.write_text("1,16,128,512,2048 8192 8192\n")
     db = tmp_path / "t.db"
     cmd = [sys.executable, "-m", "tuner.cli", "tune", "--shapes", str(shapes), "--backend", "model",
-           "--trials", "40", "--db", str(db)]
+           "--trials", "40", "--no-ladder", "--db", str(db)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -95,7 +96,7 @@ def test_sigkill_mid_key_then_rerun_finishes_and_keeps_trials(tmp_path):
     kept = _safe_count(db, "tuner_trials")
     winners_before = _safe_count(db, "tuner_winners")
     assert kept >= 60 and winners_before < 5, "the kill must land in the middle of the file"
-    tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "40", db=db)
+    tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "40", "--no-ladder", db=db)
     assert count(db, "tuner_winners") == 5
     assert count(db, "tuner_trials") >= kept
 
@@ -111,15 +112,15 @@ def test_two_processes_on_one_sqlite_file(tmp_path):
     shapes = tmp_path / "s.txt"
     shapes.write_text("1,16,128,512 4096 4096\n64 1024 8192\n")
     db = tmp_path / "t.db"
-    tuner("tune", "--shapes", str(tmp_path / "s.txt"), "--backend", "model", "--trials", "1", db=db,
-          check=False)  # creates the schema; the two below race on everything else
+    tuner("tune", "--shapes", str(tmp_path / "s.txt"), "--backend", "model", "--trials", "1", "--no-ladder",
+          db=db, check=False)  # creates the schema; the two below race on everything else
     for table in ("tuner_winners",):
         con = sqlite3.connect(db)
         con.execute(f"delete from {table}")
         con.commit()
         con.close()
     cmd = [sys.executable, "-m", "tuner.cli", "tune", "--shapes", str(shapes), "--backend", "model",
-           "--trials", "30", "--force", "--db", str(db)]
+           "--trials", "30", "--force", "--no-ladder", "--db", str(db)]
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     results = [p.communicate(timeout=300) for p in procs]
@@ -136,7 +137,8 @@ def test_sm100_picks_dynamic_scheduler_on_imbalance_and_show_explains(tmp_path):
         "2560 2560 4096 held=20 name=held\n"
     )
     db = tmp_path / "t.db"
-    tuner("tune", "--shapes", str(shapes), "--backend", "model", "--arch", "sm100", "--trials", "24", db=db)
+    tuner("tune", "--shapes", str(shapes), "--backend", "model", "--arch", "sm100", "--trials", "24",
+          "--no-ladder", db=db)
     con = sqlite3.connect(db)
     rows = con.execute(
         "select k.name, w.scheduler, w.best_by_scheduler from tuner_winners w join tuner_keys k on k.id = w.key_id"
@@ -144,16 +146,16 @@ def test_sm100_picks_dynamic_scheduler_on_imbalance_and_show_explains(tmp_path):
     assert len(rows) == 2
     for name, sched, _ in rows:
         assert sched in ("clc", "dynamic_persistent"), (name, sched)
-    out = tuner("show", "--arch", "sm100", db=db).stdout
-    for sched in ("static_persistent", "dynamic_persistent", "clc", "single_tile"):
-        assert f"{sched} ms" in " ".join(out.split()) or sched[:10] in out
+    shown = json.loads(tuner("show", "--arch", "sm100", "--json", db=db).stdout)
+    for w in shown:
+        assert {"static_persistent", "dynamic_persistent", "clc", "single_tile"} <= set(w["best_by_scheduler"])
 
 
 def test_only_restricts_keys_by_name_glob(tmp_path):
     db = tmp_path / "t.db"
     out = tuner("tune", "--shapes", "gemma3.txt", "--only", "gemma3-27b.o", "--backend", "model",
                 "--trials", "4", db=db).stdout
-    assert count(db, "tuner_winners") == 6
+    assert count(db, "tuner_winners") == 14  # M = 1 to 8192: every power of two
     assert "gemma3-27b.o" in out and "gemma3-1b" not in out
     proc = tuner("tune", "--shapes", "gemma3.txt", "--only", "nope*", db=db, check=False)
     assert proc.returncode == 2 and "no key" in proc.stdout + proc.stderr
