@@ -37,6 +37,25 @@ def resolve_url(url: str | None = None) -> str:
     return url
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL; None for other databases and in-memory SQLite."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def writable(url: str) -> bool:
+    """Whether opening `url` for writing can work: for a SQLite file, that it
+    (or, before it exists, its directory) may be written."""
+    path = sqlite_path(url)
+    if path is None:
+        return True
+    if path.exists():
+        return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+    return not path.parent.exists() or os.access(path.parent, os.W_OK)
+
+
 def engine_kwargs(url: str) -> dict:
     """Keyword arguments for create_engine, shared with Optuna's storage engine."""
     if make_url(url).get_backend_name() == "sqlite":
@@ -46,11 +65,14 @@ def engine_kwargs(url: str) -> dict:
 
 
 def make_engine(url: str, *, writer: bool = True) -> Engine:
-    """An engine for `url`. Readers (the HTTP service) keep SQLite's deferred
-    BEGIN so that they never wait behind a writer under WAL."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    """An engine for `url`. Readers (the HTTP service, `show`, `gemm`) keep
+    SQLite's deferred BEGIN so that they never wait behind a writer under WAL,
+    and open the file read-only: they work on a read-only file or directory."""
+    path = sqlite_path(url)
+    if path is not None and writer:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if path is not None and not writer:
+        url = f"sqlite:///file:{path}?mode=ro&uri=true"
     engine = create_engine(url, **engine_kwargs(url))
     configure(engine, writer=writer)
     return engine
@@ -61,15 +83,22 @@ def configure(engine: Engine, *, writer: bool = True) -> None:
     if engine.dialect.name != "sqlite":
         return
     begin = "BEGIN IMMEDIATE" if writer else "BEGIN"
-    event.listen(engine, "connect", _sqlite_pragmas)
+    event.listen(engine, "connect", _writer_pragmas if writer else _reader_pragmas)
     event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(begin))
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+def _writer_pragmas(dbapi_conn, _record) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
+    _reader_pragmas(dbapi_conn, _record)
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _reader_pragmas(dbapi_conn, _record) -> None:
+    # Nothing here writes: a reader may hold a read-only file.
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
     cur.close()
 

@@ -1,14 +1,28 @@
-"""Bring a database's schema to the newest revision (run on every open)."""
+"""Bring a database's schema to the newest revision (run when a writer opens it).
+
+Several processes may open a database that does not exist yet at the same
+moment (`tuner tune` started twice on a fresh file): creating tables and
+stamping the Alembic version must then happen once. `init_lock` serialises it
+across processes: a lock file beside a SQLite file, a session advisory lock
+on PostgreSQL. Optuna's storage creates its own tables on first use and
+takes the same lock (`db.store.Store.optuna_storage`).
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine
 
 _MIGRATIONS = Path(__file__).with_name("migrations")
+# Any constant of our own: the advisory lock that serialises schema set-up on PostgreSQL.
+_PG_LOCK_ID = 0x67656D6D
 
 
 def alembic_config(url: str) -> Config:
@@ -18,8 +32,30 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+@contextmanager
+def init_lock(engine: Engine) -> Iterator[None]:
+    """Hold the database's set-up lock (see the module doc)."""
+    url = engine.url
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        fd = os.open(f"{url.database}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+    elif url.get_backend_name() == "postgresql":
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"SELECT pg_advisory_lock({_PG_LOCK_ID})")
+            try:
+                yield
+            finally:
+                conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_PG_LOCK_ID})")
+    else:
+        yield
+
+
 def upgrade(engine: Engine) -> None:
     cfg = alembic_config(engine.url.render_as_string(hide_password=False))
-    with engine.begin() as conn:
+    with init_lock(engine), engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")

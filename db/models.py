@@ -139,3 +139,15 @@ class MRange(_Family, Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now, onupdate=_now)
 
     env: Mapped[Environment] = relationship()
+
+
+class Lease(Base):
+    """Who tunes a unit of work (a family under one environment) until when:
+    processes sharing a database take a unit only when it is free or its
+    holder's lease expired (the holder died), so nothing is measured twice."""
+
+    __tablename__ = "tuner_leases"
+
+    name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

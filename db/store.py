@@ -10,16 +10,17 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Iterable
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Iterable
 
-from sqlalchemy import delete, func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db.engine import configure, engine_kwargs, make_engine, resolve_url
-from db.migrate import upgrade
-from db.models import Environment, GemmKey, MRange, Trial, Winner
+from db.engine import configure, engine_kwargs, make_engine, resolve_url, sqlite_path
+from db.migrate import init_lock, upgrade
+from db.models import Environment, GemmKey, Lease, MRange, Trial, Winner
 
 KEY_FIELDS = (
     "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups", "group_k", "carveout",
@@ -108,14 +109,30 @@ def fingerprint(backend: str, arch: str, device: str, versions: dict[str, str]) 
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+class StoreError(RuntimeError):
+    """A database that cannot be opened as asked; the message says which and why."""
+
+
 class Store:
-    """One database: our tables plus Optuna's studies, migrated on open."""
+    """One database: our tables plus Optuna's studies. A writer migrates it on
+    open; a reader writes nothing (a read-only file or directory serves), and
+    a SQLite file that does not exist is an error rather than a new empty one."""
 
     def __init__(self, url: str | None = None, *, writer: bool = True) -> None:
         self.url = resolve_url(url)
-        self.engine = make_engine(self.url, writer=writer)
-        if writer:
-            upgrade(self.engine)
+        where = make_url(self.url).render_as_string(hide_password=True)
+        path = sqlite_path(self.url)
+        if not writer and path is not None and not path.is_file():
+            raise StoreError(f"no database at {path}")
+        try:
+            self.engine = make_engine(self.url, writer=writer)
+            if writer:
+                upgrade(self.engine)
+            else:
+                with self.engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1 FROM tuner_environments LIMIT 1")
+        except (SQLAlchemyError, OSError) as exc:
+            raise StoreError(f"cannot open database {where}: {_reason(exc)}") from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._optuna = None
 
@@ -130,7 +147,9 @@ class Store:
         if self._optuna is None:
             import optuna
 
-            storage = optuna.storages.RDBStorage(self.url, engine_kwargs=engine_kwargs(self.url))
+            # Optuna creates its tables on first use: once, under the set-up lock.
+            with init_lock(self.engine):
+                storage = optuna.storages.RDBStorage(self.url, engine_kwargs=engine_kwargs(self.url))
             configure(storage.engine)
             self._optuna = storage
         return self._optuna
@@ -286,6 +305,36 @@ class Store:
         with self.session() as s:
             return [_range_view(r, e) for r, e in s.execute(stmt)]
 
+    # -- leases -------------------------------------------------------------------
+
+    def acquire(self, name: str, owner: str, ttl_s: float, dead: Callable[[str], bool] | None = None) -> bool:
+        """Take the lease `name` for `ttl_s` seconds if it is free, expired,
+        already `owner`'s, or held by an owner `dead` says has died. False when
+        another owner holds it."""
+        now = datetime.now(timezone.utc)
+        with self.session() as s:
+            try:
+                with s.begin():
+                    row = s.get(Lease, name, with_for_update=True)
+                    if row is None:
+                        s.add(Lease(name=name, owner=owner, expires_at=now + timedelta(seconds=ttl_s)))
+                        return True
+                    if row.owner != owner and _utc(row.expires_at) > now and not (dead and dead(row.owner)):
+                        return False
+                    row.owner, row.expires_at = owner, now + timedelta(seconds=ttl_s)
+                    return True
+            except IntegrityError:  # PostgreSQL: another process inserted it first
+                return False
+
+    def renew(self, name: str, owner: str, ttl_s: float) -> None:
+        expires = datetime.now(timezone.utc) + timedelta(seconds=ttl_s)
+        with self.session() as s, s.begin():
+            s.execute(update(Lease).filter_by(name=name, owner=owner).values(expires_at=expires))
+
+    def release(self, name: str, owner: str) -> None:
+        with self.session() as s, s.begin():
+            s.execute(delete(Lease).filter_by(name=name, owner=owner))
+
     # -- export / import ---------------------------------------------------------
 
     def export(self, **filters: Any) -> list[dict[str, Any]]:
@@ -323,6 +372,17 @@ def _key_filter(key: dict[str, Any], partial: bool = False, fields: tuple[str, .
             value = ",".join(map(str, value))
         out[name] = value
     return out
+
+
+def _reason(exc: BaseException) -> str:
+    """The driver's own words, one line, without SQLAlchemy's statement dump."""
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _utc(moment: datetime) -> datetime:
+    """SQLite hands timestamps back without their zone; they were stored in UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
 def _range_view(r: MRange, e: Environment) -> RangeView:

@@ -25,6 +25,14 @@ DTYPES_OUT = ("bf16", "fp16", "fp32")
 # "tn": B stored (N, K), K-major, as nn.Linear keeps its weight (x @ W.T).
 # "nn": B stored (K, N), N-major (a @ b). A is always (M, K) row-major.
 LAYOUTS = ("tn", "nn")
+# Bounds of a key, for every input path (shape files, imports, HTTP): sizes
+# beyond 2**31 are typos or probes, not GEMMs anyone runs; a key's groups and
+# held SMs stay within what any device and the tables hold.
+MAX_DIM = 2**31
+MAX_KEY_GROUPS = 4096
+MAX_CARVEOUT = 1024
+# Width of the key name column (db.models.GemmKey.name).
+MAX_NAME = 128
 
 # K extent of one mainloop stage: 64 16-bit elements = one 128-byte swizzle row.
 TILE_K = 64
@@ -335,6 +343,11 @@ def check_operands(
     for name, value in (("M", m), ("N", n), ("K", k), ("groups", groups)):
         if value < 1:
             raise InvalidConfig(f"{name} must be positive, got {value}")
+    for name, value in (("M", m), ("N", n), ("K", k)):
+        if value > MAX_DIM:
+            raise InvalidConfig(f"{name}={value} is over the largest size taken, {MAX_DIM}")
+    if groups > MAX_KEY_GROUPS:
+        raise InvalidConfig(f"groups={groups} is over the most taken, {MAX_KEY_GROUPS}")
     if dtype_in not in DTYPES_IN:
         raise InvalidConfig(f"unknown input dtype {dtype_in!r}; expected one of {DTYPES_IN}")
     if dtype_out not in DTYPES_OUT:

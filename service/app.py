@@ -39,7 +39,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from db.engine import resolve_url
+from db.engine import resolve_url, writable
 from db.models import Environment
 from db.store import Store
 from service.cache import MISSING, Cache
@@ -49,6 +49,8 @@ from service.schemas import (
 from tuner.lookup import RANGE, Decision, decide
 
 TOKEN_ENV = "TUNER_TOKEN"
+# A full import (MAX_IMPORT records of about 1 KB) fits with room to spare.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 # Winners of one family (every M, every device of an arch) a lookup reads.
 _MAX_FAMILY = 100_000
 
@@ -57,8 +59,10 @@ def create_app(db_url: str | None = None, *, token: str | None = None) -> FastAP
     """The app over `db_url` (None: $TUNER_DB, else the default file); imports
     need `token`, else $TUNER_TOKEN."""
     url = resolve_url(db_url)
-    # Readers do not migrate: bring the schema up once here.
-    Store(url).close()
+    # Readers do not migrate: bring the schema up once here, unless the
+    # database is read-only (then it is served as it is).
+    if writable(url):
+        Store(url).close()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -80,6 +84,7 @@ def create_app(db_url: str | None = None, *, token: str | None = None) -> FastAP
     app.state.writer_lock = threading.Lock()
     app.include_router(_router)
     app.add_middleware(_KnownAnswers, cache=app.state.cache)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     app.add_exception_handler(SQLAlchemyError, _database_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     return app
@@ -234,6 +239,49 @@ class _KnownAnswers:
 
 
 
+class _BodyLimit:
+    """413 for a request body over `limit` bytes: by its Content-Length, or,
+    sent in chunks without one, read up to the limit before the app sees it."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.limit:
+                return await self._refuse(send)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        body = f'{{"detail":"request body over {self.limit} bytes"}}'.encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def _pick(m: int, ranges: list, winners: list) -> tuple[str, Decision] | None:
     """`decide` on each device's results; among devices a measured (gpu)
     choice over a modeled one, then a map interval, then the latest."""
@@ -270,10 +318,15 @@ def _newest_versions(store: Store, device: str, backend: str) -> dict[str, str]:
         return s.scalar(stmt)
 
 
+# Errors of a 422 reported at most: a body with a million bad fields gets a short answer.
+_MAX_ERRORS = 20
+
+
 async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422, with the inputs JSON cannot carry (NaN, infinities: JSON
-    parsers accept them, JSON responses may not hold them) written as text."""
-    return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+    """FastAPI's 422 naming each bad field, without echoing the input back
+    (a large body would come back whole) and with at most `_MAX_ERRORS` errors."""
+    errors = [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()[:_MAX_ERRORS]]
+    return JSONResponse({"detail": _finite(jsonable_encoder(errors))}, status_code=422)
 
 
 def _finite(value):

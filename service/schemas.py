@@ -12,12 +12,12 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, Json, field_validator, model_validator
 
-from kernels.space import ARCHS, DTYPES_IN, DTYPES_OUT, LAYOUTS, GemmConfig, InvalidConfig
+from kernels.space import (
+    ARCHS, DTYPES_IN, DTYPES_OUT, LAYOUTS, MAX_CARVEOUT, MAX_DIM, MAX_KEY_GROUPS, MAX_NAME, GemmConfig, InvalidConfig,
+)
 
-# Sizes beyond 2**31 are not GEMMs anyone runs; they are typos or probes.
-MAX_SIZE = 2**31
-MAX_GROUPS = 4096
-MAX_CARVEOUT = 1024
+MAX_SIZE = MAX_DIM
+MAX_GROUPS = MAX_KEY_GROUPS
 MAX_PAGE = 1000
 MAX_OFFSET = 2**31
 # An import stores a record in a few milliseconds: a request stays within seconds.
@@ -177,7 +177,7 @@ class RecordIn(Record):
     model_config = ConfigDict(extra="forbid")
 
     key: KeyIn
-    name: Annotated[str, Field(max_length=128)] = ""
+    name: Annotated[str, Field(max_length=MAX_NAME)] = ""
     config_name: Annotated[str, Field(min_length=1, max_length=160)]
     scheduler: Annotated[str, Field(min_length=1, max_length=32)]
     ms: Millis
@@ -212,3 +212,38 @@ class Imported(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+# The export file: a versioned envelope around the records (`tuner export`).
+EXPORT_FORMAT = "gemm-tuner-winners"
+EXPORT_VERSION = 1
+
+
+class RecordError(ValueError):
+    """A record that cannot be imported; the message names the record and field."""
+
+
+def validate_records(data) -> list[dict]:
+    """The records of an export (the versioned envelope, or the bare list of
+    older exports), each checked as `POST /v1/results` checks it; the first bad
+    one raises RecordError naming its index and field. Nothing is written here:
+    an import stores all records or, on an error, none."""
+    from pydantic import ValidationError
+
+    if isinstance(data, dict):
+        if data.get("format") != EXPORT_FORMAT:
+            raise RecordError(f"not a winners export: format is {data.get('format')!r}, expected {EXPORT_FORMAT!r}")
+        if data.get("version") != EXPORT_VERSION:
+            raise RecordError(f"export version {data.get('version')!r}; this tuner reads version {EXPORT_VERSION}")
+        data = data.get("records")
+    if not isinstance(data, list):
+        raise RecordError("expected a winners export: an object with 'records', or a list of records")
+    out = []
+    for i, raw in enumerate(data):
+        try:
+            out.append(RecordIn.model_validate(raw).model_dump())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(map(str, first["loc"])) or "record"
+            raise RecordError(f"record {i}: {field}: {first['msg']}") from None
+    return out

@@ -99,6 +99,11 @@ def test_sigkill_mid_key_then_rerun_finishes_and_keeps_trials(tmp_path):
     tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "40", "--no-ladder", db=db)
     assert count(db, "tuner_winners") == 5
     assert count(db, "tuner_trials") >= kept
+    # The trial that was running when the process died is closed, not left RUNNING.
+    con = sqlite3.connect(db)
+    states = dict(con.execute("select state, count(*) from trials group by state").fetchall())
+    con.close()
+    assert "RUNNING" not in states and states.get("FAIL", 0) >= 1, states
 
 
 def _safe_count(db, table):

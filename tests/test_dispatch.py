@@ -156,7 +156,7 @@ def test_no_database_file_means_torch_and_none_is_created(tmp_path):
         why = dispatch.explain_key(Key("sm90", DEVICE, Problem(128, N, K)))
     finally:
         dispatch.configure(None)
-    assert why.path == "torch" and "no winners database" in why.reason
+    assert why.path == "torch" and "no readable winners database" in why.reason
     assert not path.exists()
 
 

@@ -267,3 +267,21 @@ def test_no_server_error_under_schema_fuzzing(tuned_db, tmp_path):
     finally:
         server.stop()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_a_large_body_is_413_and_a_bad_one_is_a_short_422(client):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    huge = b"[" + b"1," * (3 * 1024 * 1024) + b"1]"
+    r = client.post("/v1/results", content=huge, headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "request body over" in r.json()["detail"]
+
+    def chunks():
+        for _ in range(80):
+            yield b" " * 65536
+
+    r = client.post("/v1/results", content=chunks(), headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    bad = [{"key": {"m": -1}, "padding": "x" * 2000}] * 500
+    r = client.post("/v1/results", json=bad, headers=auth)
+    assert r.status_code == 422 and len(r.content) < 10_000
+    assert "x" * 100 not in r.text and all("input" not in e for e in r.json()["detail"])

@@ -36,6 +36,17 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _open(db: str | None, *, writer: bool = True):
+    """The store at `db`, or a one-line error (a missing, unreadable or
+    non-database file; a read-only one when writing)."""
+    from db.store import Store, StoreError
+
+    try:
+        return Store(db, writer=writer)
+    except StoreError as exc:
+        _fail(str(exc))
+
+
 def _backend(name: str, arch: str):
     if name not in BACKENDS:
         _fail(f"unknown backend {name!r}; expected one of {BACKENDS}")
@@ -72,11 +83,10 @@ def tune(
     db: Optional[str] = DbOption,
 ) -> None:
     """Search the kernel pool for every family of a shape file and store its M map."""
-    from db.store import Store
-    from tuner.ladder import tune_family
+    from tuner.ladder import tune_families
     from tuner.lookup import family_of
     from tuner.search import Budget
-    from tuner.shapes import ShapeFileError, parse_shapes
+    from tuner.shapes import ShapeFileError, parse_shapes, resolve
 
     # The whole file is checked before the database is opened: a bad line
     # stores nothing.
@@ -91,27 +101,30 @@ def tune(
         if not entries:
             _fail(f"no key of {shapes} has a name matching {only!r}")
     bk = _backend(backend, arch)
-    store = Store(db)
+    for e in entries:
+        if e.problem.carveout >= bk.sm_count:
+            _fail(f"{resolve(shapes)}:{e.line}: held={e.problem.carveout}: {bk.device_name} has "
+                  f"{bk.sm_count} SMs; hold fewer")
+    store = _open(db)
     budget = Budget(trials=trials or DEFAULT_TRIALS[backend], seconds=seconds)
     families: dict[tuple, list] = {}
     for entry in entries:
         key = Key(arch, bk.device_name, entry.problem)
         families.setdefault(tuple(map(str, family_of(key).values())), []).append((entry.name, key))
     columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn())
+    names = {fam: members[0][0] for fam, members in families.items()}
     with Progress(*columns, console=err_console, transient=False) as progress:
-        for members in families.values():
-            name = members[0][0]
 
-            def on_rung(key: Key, listed: bool, name=name):
-                label = f"{name or '-'} {key.problem.label()}" + ("" if listed else " (rung)")
-                task = progress.add_task(label, total=None)
+        def on_rung(key: Key, listed: bool):
+            label = f"{names[tuple(map(str, family_of(key).values()))] or '-'} {key.problem.label()}"
+            task = progress.add_task(label + ("" if listed else " (rung)"), total=None)
 
-                def advance(done: int, total: int) -> None:
-                    progress.update(task, completed=done, total=total)
-                return advance
+            def advance(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+            return advance
 
-            tune_family([k for _, k in members], bk, store, budget, name=name, ladder=ladder,
-                        force=force, revalidate=revalidate, on_rung=on_rung)
+        tune_families([(members[0][0], [k for _, k in members]) for members in families.values()], bk, store,
+                      budget, ladder=ladder, force=force, revalidate=revalidate, on_rung=on_rung)
     maps = _family_maps(store, arch=arch, device=bk.device_name, names=[m[0][0] for m in families.values()])
     store.close()
     _print_maps(maps, as_json, f"M maps ({bk.device_name}, {arch})")
@@ -132,9 +145,7 @@ def show(
     db: Optional[str] = DbOption,
 ) -> None:
     """Show stored winners (cuBLAS time and each scheduler's best in --json), or M maps."""
-    from db.store import Store
-
-    store = Store(db)
+    store = _open(db, writer=False)
     if family:
         maps = _family_maps(store, arch=arch, device=device, n=n, k=k, groups=groups)
         store.close()
@@ -160,10 +171,9 @@ def plot(
     db: Optional[str] = DbOption,
 ) -> None:
     """Draw a family's M map: time against M for the choice and for cuBLAS."""
-    from db.store import Store
     from tuner.plots import plot_family
 
-    store = Store(db)
+    store = _open(db, writer=False)
     maps = [fm for fm in _family_maps(store, device=device) if fnmatch.fnmatchcase(fm.name, family)]
     store.close()
     if not maps:
@@ -179,15 +189,20 @@ def export_(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="JSON file (default: stdout)."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Write every stored winner as JSON."""
-    from db.store import Store
+    """Write every stored winner as JSON (a versioned export)."""
+    from service.schemas import EXPORT_FORMAT, EXPORT_VERSION
 
-    text = json.dumps(Store(db).export(), indent=1)
+    store = _open(db, writer=False)
+    text = json.dumps({"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "records": store.export()}, indent=1)
+    store.close()
     if output is None:
         print(text)
-    else:
+        return
+    try:
         output.write_text(text + "\n")
-        console.print(f"wrote {output}")
+    except OSError as exc:
+        _fail(f"cannot write {output}: {exc.strerror or exc}")
+    console.print(f"wrote {output}")
 
 
 @app.command("import")
@@ -195,19 +210,19 @@ def import_(
     source: Path = typer.Argument(..., help="JSON file written by `tuner export`."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Store winners from a JSON export; a stored winner is replaced only by a faster one."""
-    from db.store import Store
+    """Store winners from a JSON export; a stored winner is replaced only by a
+    faster one. Every record is checked first: one bad record stores nothing."""
+    from service.schemas import RecordError, validate_records
 
     try:
-        records = json.loads(source.read_text())
-        if not isinstance(records, list):
-            raise ValueError("expected a JSON list of winner records")
-    except (OSError, ValueError) as exc:
+        records = validate_records(json.loads(source.read_bytes()))
+    except OSError as exc:
+        _fail(f"{source}: {exc.strerror or exc}")
+    except (ValueError, RecordError) as exc:  # JSON and encoding errors are ValueErrors too
         _fail(f"{source}: {exc}")
-    try:
-        count = Store(db).import_records(records)
-    except (KeyError, TypeError, ValueError) as exc:
-        _fail(f"{source}: malformed record: {exc}")
+    store = _open(db)
+    count = store.import_records(records)
+    store.close()
     console.print(f"imported {count} of {len(records)} winners")
 
 
@@ -246,11 +261,15 @@ def serve(
 
     import uvicorn
 
-    from db.engine import ENV_VAR, resolve_url
+    from db.engine import ENV_VAR, resolve_url, writable
 
+    url = resolve_url(db)
+    # A database that cannot be opened is a one-line error here, not a
+    # traceback from every worker; a read-only one is served as it is.
+    _open(url, writer=writable(url)).close()
     # Every worker process builds its own app from the factory and finds the
     # database through the environment.
-    os.environ[ENV_VAR] = resolve_url(db)
+    os.environ[ENV_VAR] = url
     uvicorn.run(
         "service.app:create_app", factory=True, host=host, port=port, workers=workers,
         access_log=False, log_level="warning",

@@ -41,7 +41,6 @@ import functools
 import threading
 import warnings
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -288,7 +287,7 @@ def _choose(key, measure=None) -> tuple[Explanation, object]:
         return Explanation(TORCH, f"{p.groups} groups: the grouped kernel takes at most {MAX_GROUPS}", key=name), None
     store = _store()
     if store is None:
-        return Explanation(TORCH, f"no winners database at {_sqlite_path(_state.url)}", key=name), None
+        return Explanation(TORCH, f"no readable winners database at {_db_where()}", key=name), None
     current = _versions(key.device)
     found = lookup(store, key)
     if found is None and measure is not None:
@@ -328,6 +327,12 @@ def _build(decision: _Decision, device_index: int, din: str, dout: str, layout: 
         why = f"winner {decision.explanation.config_name} failed to build: {type(exc).__name__}: {exc}"
         return _Decision(replace(decision.explanation, path=TORCH, reason=why, fallback=True))
     return replace(decision, runner=runner)
+
+
+def _db_where() -> str:
+    from db.engine import resolve_url
+
+    return resolve_url(_state.url)
 
 
 def _online() -> bool:
@@ -390,25 +395,17 @@ def _store():
     """The reader store, opened on first use; None when its SQLite file does not exist
     (opening would create an empty one)."""
     if _state.store is None:
-        from db.engine import resolve_url
-        from db.store import Store
+        from db.engine import resolve_url, sqlite_path
+        from db.store import Store, StoreError
 
-        path = _sqlite_path(_state.url)
+        path = sqlite_path(resolve_url(_state.url))
         if path is not None and not path.exists():
             return None
-        _state.store = Store(resolve_url(_state.url), writer=False)
+        try:
+            _state.store = Store(resolve_url(_state.url), writer=False)
+        except StoreError:  # not a database, or unreadable: torch runs, the caller is not broken
+            return None
     return _state.store
-
-
-def _sqlite_path(url: str | None) -> Path | None:
-    from sqlalchemy.engine import make_url
-
-    from db.engine import resolve_url
-
-    parsed = make_url(resolve_url(url))
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
-        return None
-    return Path(parsed.database)
 
 
 @functools.cache

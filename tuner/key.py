@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from kernels.space import InvalidConfig, check_operands, check_problem
+from kernels.space import MAX_CARVEOUT, InvalidConfig, check_operands, check_problem
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ class Problem:
                 check_operands(self.m, self.n, gk, 1, self.dtype_in, self.dtype_out, self.layout)
             if self.k != max(self.group_k):
                 raise ValueError("k must be the largest per-group K")
-        if self.carveout < 0:
-            raise ValueError(f"carveout must be >= 0, got {self.carveout}")
+        if not 0 <= self.carveout <= MAX_CARVEOUT:
+            raise InvalidConfig(f"held SMs must be 0 to {MAX_CARVEOUT}, got {self.carveout}")
 
     def runs(self, cfg) -> bool:
         """Whether the pool config `cfg` can run this problem (the space's rules)."""

@@ -26,6 +26,9 @@ family's M map:
 from __future__ import annotations
 
 import math
+import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -41,6 +44,12 @@ PROBES_PER_OCTAVE = 3
 # A kernel takes a point only if cuBLAS is at least this much slower there:
 # a tie within measurement noise goes to cuBLAS.
 HOLD_MARGIN = 1.01
+# A family's lease lasts this long past its holder's last sign of life (a
+# measured trial): a worker that died is taken over after it.
+LEASE_TTL_S = 600.0
+RENEW_EVERY_S = 10.0
+# How long a process with nothing free to tune waits before looking again.
+WAIT_S = 0.5
 # Rounds of measuring kernel ranges at their tile-row starts (`_refine`).
 REFINE_ROUNDS = 3
 # Configs a rung between listed ones measures beside its neighbours' winners:
@@ -113,6 +122,69 @@ def tune_family(
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
     return FamilyOutcome(outcomes, ranges, validated=True)
+
+
+def tune_families(
+    families: Sequence[tuple[str, Sequence[Key]]], backend: Backend, store: Store, budget: Budget, *,
+    ladder: bool = True, force: bool = False, revalidate: bool = False,
+    on_rung: Callable[[Key, bool], Callable[[int, int], None] | None] | None = None,
+) -> None:
+    """`tune_family` for each (name, keys) family, shared with every other
+    process tuning against the same database: a family is tuned only under
+    its lease (`db.store.Store.acquire`), so no two processes measure it at
+    once; one taken by another process is done after the free ones, when its
+    lease is released (then its rungs are current and nothing is measured
+    again), has expired, or its holder is a process of this host that died."""
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+    pending = list(families)
+    while pending:
+        took = False
+        for item in list(pending):
+            name, keys = item
+            lease = f"family:{backend.name}:{backend.versions()}:{_family_tuple(keys[0])}"[:512]
+            if not store.acquire(lease, owner, LEASE_TTL_S, dead=_died_here):
+                continue
+            took = True
+            try:
+                tune_family(keys, backend, store, budget, name=name, ladder=ladder, force=force,
+                            revalidate=revalidate, on_rung=_renewing(store, lease, owner, on_rung))
+            finally:
+                store.release(lease, owner)
+            pending.remove(item)
+        if pending and not took:
+            time.sleep(WAIT_S)
+
+
+def _died_here(owner: str) -> bool:
+    """Whether a lease owner ("host:pid") was a process of this host that is
+    gone: its lease need not run out (a rerun after a kill starts at once)."""
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _renewing(store: Store, lease: str, owner: str, on_rung):
+    """`on_rung` whose per-trial callbacks also keep the lease alive."""
+    last = [time.monotonic()]
+
+    def per_rung(key: Key, listed: bool):
+        inner = on_rung(key, listed) if on_rung else None
+
+        def tick(done: int, total: int) -> None:
+            if time.monotonic() - last[0] > RENEW_EVERY_S:
+                store.renew(lease, owner, LEASE_TTL_S)
+                last[0] = time.monotonic()
+            if inner:
+                inner(done, total)
+        return tick
+    return per_rung
 
 
 def _family_tuple(key: Key) -> tuple:

@@ -228,6 +228,7 @@ class ModelBackend:
         self.arch = arch
         self.device = device
         self.device_name = device.name
+        self.sm_count = device.sms
 
     def versions(self) -> dict[str, str]:
         return {"model": MODEL_VERSION}

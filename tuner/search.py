@@ -116,6 +116,11 @@ def tune_key(
         direction="minimize",
         load_if_exists=True,
     )
+    # A process killed mid-trial leaves it RUNNING for ever; whoever resumes
+    # the key (its family lease says nobody else runs it) closes it as failed.
+    storage = store.optuna_storage()
+    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        storage.set_trial_state_values(stale._trial_id, optuna.trial.TrialState.FAIL)
     if not study.trials:
         first = list(seeds)
         if explore:
@@ -162,6 +167,8 @@ def tune_key(
     if on_trial:
         on_trial(budget.trials, budget.trials)
 
+    # Every verified trial of the key competes, whichever process measured it.
+    measured.update((t.config_name, t) for t in store.trials(key_id, env_id))
     winner, best, baseline_ms = _pick_winner(key, backend, measured, measure)
     store.set_winner(
         key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.space import DTYPES_IN, DTYPES_OUT, LAYOUTS
+from kernels.space import DTYPES_IN, DTYPES_OUT, LAYOUTS, MAX_NAME
 from tuner.key import Problem
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -61,7 +61,7 @@ def parse_shapes(path: str | Path) -> list[ShapeEntry]:
     path = resolve(path)
     entries: list[ShapeEntry] = []
     seen: set[Problem] = set()
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    for number, raw in enumerate(_text(path).splitlines(), start=1):
         text = raw.split("#", 1)[0].strip()
         if not text:
             continue
@@ -78,10 +78,26 @@ def parse_shapes(path: str | Path) -> list[ShapeEntry]:
     return entries
 
 
+def _text(path: Path) -> str:
+    """The file as text: UTF-8, a leading byte-order mark dropped."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ShapeFileError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); a shape file is text") from None
+
+
 def _parse_line(text: str, number: int) -> list[ShapeEntry]:
     fields = text.split()
     sizes = [f for f in fields if "=" not in f]
-    options = dict(_option(f) for f in fields if "=" in f)
+    options: dict[str, str] = {}
+    for name, value in (_option(f) for f in fields if "=" in f):
+        if name in options:
+            raise ValueError(f"option {name!r} given twice")
+        options[name] = value
+    if len(options.get("name", "")) > MAX_NAME:
+        raise ValueError(f"name is {len(options['name'])} characters; at most {MAX_NAME}")
     if len(sizes) < 3:
         missing = ("M", "N", "K")[len(sizes):]
         raise ValueError(f"missing {', '.join(missing)}: a line is 'M N K [option=value ...]'")

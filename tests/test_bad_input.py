@@ -1,0 +1,143 @@
+"""Every bad input a user can hand the CLI: a one-line error naming the file
+and line or the record and field, exit code 2, nothing stored."""
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tuner(*args, db=None):
+    cmd = [sys.executable, "-m", "tuner.cli", *args, *(["--db", str(db)] if db else [])]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "s.txt").write_text("16 1024 1024 name=a\n")
+    db = d / "t.db"
+    assert tuner("tune", "--shapes", str(d / "s.txt"), "--trials", "3", "--no-ladder", db=db).returncode == 0
+    return db
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe\xfd", "not utf-8"),
+    (b"16 1024 1024\n1099511627776 1024 1024\n", "over the largest size"),
+    (b"16 1024 1099511627776\n", "over the largest size"),
+    (b"16 1024 1024 held=132\n", "has 132 sms"),
+    (b"16 1024 1024 held=5000\n", "held sms must be"),
+    (b"1024 1024 1024 groups=99999999\n", "groups=99999999"),
+    (b"16 1024 1024 groups=2 groups=3\n", "given twice"),
+    (b"16 1024 1024 name=" + b"x" * 129 + b"\n", "at most 128"),
+])
+def test_bad_shape_file_is_one_line_naming_file_and_line(tuned, tmp_path, content, words):
+    before = digest(tuned)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    line = one_line_error(tuner("tune", "--shapes", str(bad), db=tuned))
+    assert str(bad) in line and words in line.lower()
+    assert digest(tuned) == before
+
+
+def test_a_byte_order_mark_is_not_part_of_m(tmp_path):
+    shapes = tmp_path / "bom.txt"
+    shapes.write_bytes("\ufeff16 1024 1024 name=bom\n".encode("utf-8"))
+    assert tuner("tune", "--shapes", str(shapes), "--trials", "2", "--no-ladder", db=tmp_path / "t.db").returncode == 0
+
+
+def test_a_file_that_is_not_a_database(tmp_path):
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not a database" * 100)
+    shapes = tmp_path / "s.txt"
+    shapes.write_text("16 1024 1024\n")
+    for args in (("tune", "--shapes", str(shapes)), ("show",), ("show", "--family"), ("export",),
+                 ("serve", "--port", "0")):
+        assert "not a database" in one_line_error(tuner(*args, db=junk))
+    export = tmp_path / "e.json"
+    export.write_text("[]")
+    assert "not a database" in one_line_error(tuner("import", str(export), db=junk))
+
+
+def test_readers_never_write_and_a_misspelt_path_creates_nothing(tuned, tmp_path):
+    before = digest(tuned)
+    for args in (("show",), ("show", "--family", "--json"), ("export",)):
+        assert tuner(*args, db=tuned).returncode == 0
+    assert digest(tuned) == before
+    missing = tmp_path / "tunr.db"
+    assert "no database at" in one_line_error(tuner("show", db=missing))
+    assert not missing.exists()
+    assert "cannot write" in one_line_error(tuner("export", "-o", str(tmp_path / "no" / "x.json"), db=tuned))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="file modes do not bind root")
+def test_a_read_only_database_is_read_but_not_tuned(tuned, tmp_path):
+    ro = tmp_path / "ro.db"
+    ro.write_bytes(tuned.read_bytes())
+    ro.chmod(0o444)
+    assert tuner("show", db=ro).returncode == 0
+    shapes = tmp_path / "s.txt"
+    shapes.write_text("32 1024 1024\n")
+    assert "readonly" in one_line_error(tuner("tune", "--shapes", str(shapes), db=ro)).lower().replace("-", "")
+
+
+def _export(db: Path) -> dict:
+    proc = tuner("export", db=db)
+    assert proc.returncode == 0
+    return json.loads(proc.stdout)
+
+
+def test_export_is_versioned_and_imports_into_a_fresh_database(tuned, tmp_path):
+    exported = _export(tuned)
+    assert exported["format"] == "gemm-tuner-winners" and exported["version"] == 1 and exported["records"]
+    for form in (exported, exported["records"]):  # the envelope, and the bare list of older exports
+        path = tmp_path / "e.json"
+        path.write_text(json.dumps(form))
+        proc = tuner("import", str(path), db=tmp_path / f"fresh{isinstance(form, list)}.db")
+        assert proc.returncode == 0 and "imported 1 of 1" in proc.stdout
+    path.write_text(json.dumps({**exported, "version": 99}))
+    assert "version 99" in one_line_error(tuner("import", str(path), db=tmp_path / "x.db"))
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda r: r.update(ms=0), "ms"),
+    (lambda r: r.update(ms=math.nan), "ms"),
+    (lambda r: r.update(ms=-1.0), "ms"),
+    (lambda r: r["key"].update(m=-5), "key.m"),
+    (lambda r: r["key"].update(arch="sm70"), "key.arch"),
+    (lambda r: r["key"].update(dtype_in="int4"), "key.dtype_in"),
+    (lambda r: r.update(config={**(r["config"] or {"arch": "sm90"}), "tile_m": 99999}), "config"),
+    (lambda r: r.pop("key"), "key"),
+])
+def test_a_bad_record_in_the_middle_stores_nothing(tuned, tmp_path, change, field):
+    exported = _export(tuned)
+    good = exported["records"][0]
+    bad = json.loads(json.dumps(good))
+    change(bad)
+    other = json.loads(json.dumps(good))
+    other["key"]["m"] = 99
+    records = [other, bad, json.loads(json.dumps(good))]
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({**exported, "records": records}))
+    db = tmp_path / "fresh.db"
+    line = one_line_error(tuner("import", str(path), db=db))
+    assert f"record 1: {field}" in line
+    assert not db.exists() or "no winners" in tuner("show", db=db).stdout
