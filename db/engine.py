@@ -72,7 +72,10 @@ def make_engine(url: str, *, writer: bool = True) -> Engine:
     if path is not None and writer:
         path.parent.mkdir(parents=True, exist_ok=True)
     if path is not None and not writer:
-        url = f"sqlite:///file:{path}?mode=ro&uri=true"
+        # A WAL database read where nothing may be written (a read-only file
+        # or directory) cannot get its shared-memory file: open it immutable,
+        # which no writer can contradict there.
+        url = f"sqlite:///file:{path}?mode=ro{'' if writable(url) else '&immutable=1'}&uri=true"
     engine = create_engine(url, **engine_kwargs(url))
     configure(engine, writer=writer)
     return engine

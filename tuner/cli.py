@@ -32,7 +32,8 @@ DbOption = typer.Option(None, "--db", help="Database URL or SQLite path (default
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    # One line however long: a script reads it, and a terminal wraps it anyway.
+    console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -300,7 +300,11 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
         return sum(abs(math.log2(k[f] / getattr(p, f))) for f in ("m", "n", "k"))
 
     near = sorted((w for w in near if w.config), key=distance)[:WARM_START_KEYS]
-    candidates += [GemmConfig.from_dict(w.config) for w in near]
+    for w in near:
+        try:
+            candidates.append(GemmConfig.from_dict(w.config))
+        except (InvalidConfig, TypeError):  # a record stored before imports were checked
+            continue
     out = []
     for cfg in candidates:
         if p.runs(cfg) and cfg not in out:
