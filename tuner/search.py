@@ -24,7 +24,7 @@ from db.store import Store, TrialView, WinnerView
 from kernels import space
 from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
-from tuner.measure import Backend, Measurement
+from tuner.measure import Backend
 
 BASELINE = "cublas"
 # Nearest tuned keys whose winners seed a new study.
