@@ -11,7 +11,6 @@ The least recently used entry goes when `max_entries` are held.
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
 from collections import OrderedDict
@@ -33,9 +32,12 @@ class Cache:
         self._version: int | None = None
         self._expires = 0.0
         database = engine.url.database
-        self._probe = None
+        self._held = self._probe = None
         if engine.dialect.name == "sqlite" and database and database != ":memory:":
-            self._probe = sqlite3.connect(database, check_same_thread=False)
+            # A connection of the engine's own (read-only, as the engine opens
+            # it), kept out of the pool: data_version counts other connections' commits.
+            self._held = engine.raw_connection()
+            self._probe = self._held.driver_connection
 
     def find(self, key: Hashable) -> tuple[object, int]:
         """(the entry or MISSING, the generation to hand to `put`)."""
@@ -69,8 +71,8 @@ class Cache:
             self._clear()
 
     def close(self) -> None:
-        if self._probe is not None:
-            self._probe.close()
+        if self._held is not None:
+            self._held.close()
 
     def _clear(self) -> None:
         self._entries.clear()

@@ -6,11 +6,14 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,9 +121,34 @@ def test_a_read_only_database_in_a_read_only_directory_is_read_but_not_written(t
             assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
         for args in (("tune", "--shapes", str(shapes)), ("import", str(export))):
             assert str(db) in one_line_error(run(*args))
+        port = _free_port()
+        server = subprocess.Popen([*prefix, sys.executable, "-m", "tuner.cli", "serve", "--port", str(port),
+                                   "--db", str(db)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            assert _get(port, "/v1/best?m=16&n=1024&k=1024").status_code == 200
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
     finally:
         d.chmod(0o755)
         shutil.rmtree(d)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, path: str):
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _export(db: Path) -> dict:
