@@ -101,6 +101,11 @@ def test_rerun_skips_tuned_rungs_and_keeps_the_map(tuned):
     again = tune_family(keys, model, store, Budget(trials=6), name="o")
     assert all(o.skipped for o in again.rungs.values()) and not again.validated
     assert store.ranges(n=5376, k=4096) == before
+    # Without a ladder the map spans the listed M; a rerun leaves it alone too.
+    keys = [Key("sm90", model.device_name, Problem(m, 1024, 4096)) for m in (64, 300)]
+    first = tune_family(keys, model, store, Budget(trials=4), name="x", ladder=False)
+    assert first.validated and store.ranges(n=1024, k=4096)[0].m_lo == 64
+    assert not tune_family(keys, model, store, Budget(trials=4), name="x", ladder=False).validated
 
 
 def test_database_of_the_previous_schema_upgrades_with_every_winner_kept(tmp_path):

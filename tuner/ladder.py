@@ -114,7 +114,7 @@ def tune_family(
     family = family_of(template)
     versions = backend.versions()
     current = [r for r in store.ranges(**family) if r.source == "ladder" and not r.stale(versions)]
-    covered = current and min(r.m_lo for r in current) <= 1 and max(r.m_hi for r in current) >= max(outcomes)
+    covered = current and min(r.m_lo for r in current) <= min(outcomes) and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
         return FamilyOutcome(outcomes, [], validated=False)
     compile_ahead(backend, list({GemmConfig.from_dict(o.winner.config) for o in outcomes.values() if o.winner.config}))
