@@ -1,7 +1,7 @@
 """`gemm` against cuBLAS at M values the ladders did not tune, per family.
 
     python -m bench.dynamic_m --db DB --shapes FILE [FILE ...] [--only GLOB] [--points 64] [--seed 0]
-                              [--rounds 25] [--out bench/results]
+                              [--rounds 60] [--out bench/results]
 
 For every family (N, K) of the shape files, tuned beforehand into DB with
 `tuner tune --backend gpu` (ladders on), times `tuner.gemm(x, W.t())`
@@ -11,8 +11,9 @@ themselves. Each path is captured in a CUDA graph of one call (so the host's
 dispatch cost, which `bench.dispatch` reports, does not blur device time)
 and timed with CUDA events around one replay after a write of twice the L2
 size (the operands come from DRAM, as in a model's forward); the two paths
-alternate replay by replay, `--rounds` each; trimmed means
-(`tuner.measure.trimmed_mean`, as the tuner's validation uses). Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
+alternate replay by replay, `--rounds` each; times are trimmed means
+(`tuner.measure.trimmed_mean`, as the tuner's validation uses), the ratio a
+trimmed mean of the rounds' paired log ratios. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
 times, cuBLAS / gemm, the path `gemm` took and the interval of the map
 behind it; per family and overall the geometric mean and the worst ratio.
 """
@@ -62,8 +63,15 @@ def families(paths: list[str], only: str) -> dict[tuple[int, int], tuple[str, li
     return out
 
 
-def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor) -> tuple[float, float]:
-    """Median ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands, alternating."""
+def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor) -> tuple[float, float, float]:
+    """ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands, alternating, and their ratio.
+
+    The ratio is taken pair by pair (the two replays of one round share the
+    clocks and the DRAM state) and averaged as a trimmed mean of log ratios:
+    the order alternates, so the second-in-pair penalty falls on each path
+    in half the rounds and cancels, where a ratio of the two trimmed means
+    keeps the drift between rounds in it.
+    """
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     graphs = []
     for call in (lambda: torch.mm(x, w.t(), out=out), lambda: dispatch.gemm(x, w.t(), out)):
@@ -83,7 +91,8 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
             end.record()
             end.synchronize()
             times[i].append(start.elapsed_time(end))
-    return trimmed_mean(times[0]), trimmed_mean(times[1])
+    paired = math.exp(trimmed_mean([math.log(c / g) for c, g in zip(*times, strict=True)]))
+    return trimmed_mean(times[0]), trimmed_mean(times[1]), paired
 
 
 def compile_choices(db: str, fams) -> int:
@@ -131,9 +140,9 @@ def run(args: argparse.Namespace) -> dict:
                 x = (torch.randn(m, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
                 why = dispatch.explain(x, w.t())
                 err = check(x, w)
-                cublas_ms, gemm_ms = time_pair(x, w, args.rounds, flush)
+                cublas_ms, gemm_ms, ratio = time_pair(x, w, args.rounds, flush)
                 fam[kind].append({
-                    "m": m, "cublas_ms": cublas_ms, "gemm_ms": gemm_ms, "ratio": cublas_ms / gemm_ms,
+                    "m": m, "cublas_ms": cublas_ms, "gemm_ms": gemm_ms, "ratio": ratio,
                     "path": why.path, "config": why.config_name, "interval": why.interval,
                     "rel_err": err,
                 })
