@@ -30,10 +30,16 @@ def default_url() -> str:
 
 
 def resolve_url(url: str | None = None) -> str:
-    """`url`, else $TUNER_DB, else the default file. A bare path means a SQLite file."""
+    """`url`, else $TUNER_DB, else the default file. A bare path means a SQLite file;
+    a `postgresql://` URL is driven by psycopg (v3)."""
     url = url or os.environ.get(ENV_VAR) or default_url()
     if "://" not in url:
         url = f"sqlite:///{Path(url).expanduser().resolve()}"
+    scheme, sep, rest = url.partition("://")
+    if scheme in ("postgresql", "postgres"):
+        # A plain PostgreSQL URL gets the driver the `postgres` extra installs
+        # (SQLAlchemy's default for the scheme is psycopg2).
+        url = f"postgresql+psycopg{sep}{rest}"
     return url
 
 

@@ -151,3 +151,19 @@ class Lease(Base):
     name: Mapped[str] = mapped_column(String(512), primary_key=True)
     owner: Mapped[str] = mapped_column(String(128))
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LeaseEvent(Base):
+    """The history of the leases: who took a unit (`take`, or `takeover` from
+    `previous`, an owner whose lease expired or who died), gave it back
+    (`release`) or found it taken over while working (`lost`). Written in the
+    transaction that changes the lease, so it is what happened, in order."""
+
+    __tablename__ = "tuner_lease_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(512), index=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    event: Mapped[str] = mapped_column(String(16))
+    previous: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from db.engine import configure, engine_kwargs, make_engine, resolve_url, sqlite_path
 from db.migrate import init_lock, upgrade
-from db.models import Environment, GemmKey, Lease, MRange, Trial, Winner
+from db.models import Environment, GemmKey, Lease, LeaseEvent, MRange, Trial, Winner
 
 KEY_FIELDS = (
     "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups", "group_k", "carveout",
@@ -102,6 +102,15 @@ class TrialView:
     ok: bool
     ms: float | None
     error: str | None
+
+
+@dataclass(frozen=True)
+class LeaseEventView:
+    name: str
+    owner: str
+    event: str
+    previous: str | None
+    at: datetime
 
 
 def fingerprint(backend: str, arch: str, device: str, versions: dict[str, str]) -> str:
@@ -310,30 +319,50 @@ class Store:
     def acquire(self, name: str, owner: str, ttl_s: float, dead: Callable[[str], bool] | None = None) -> bool:
         """Take the lease `name` for `ttl_s` seconds if it is free, expired,
         already `owner`'s, or held by an owner `dead` says has died. False when
-        another owner holds it."""
+        another owner holds it. Taking a lease from another owner is logged as
+        a takeover (`lease_events`)."""
         now = datetime.now(timezone.utc)
+        expires = now + timedelta(seconds=ttl_s)
         with self.session() as s:
             try:
                 with s.begin():
                     row = s.get(Lease, name, with_for_update=True)
                     if row is None:
-                        s.add(Lease(name=name, owner=owner, expires_at=now + timedelta(seconds=ttl_s)))
+                        s.add(Lease(name=name, owner=owner, expires_at=expires))
+                        s.add(LeaseEvent(name=name, owner=owner, event="take", at=now))
                         return True
-                    if row.owner != owner and _utc(row.expires_at) > now and not (dead and dead(row.owner)):
-                        return False
-                    row.owner, row.expires_at = owner, now + timedelta(seconds=ttl_s)
+                    if row.owner != owner:
+                        if _utc(row.expires_at) > now and not (dead and dead(row.owner)):
+                            return False
+                        s.add(LeaseEvent(name=name, owner=owner, event="takeover", previous=row.owner, at=now))
+                    row.owner, row.expires_at = owner, expires
                     return True
             except IntegrityError:  # PostgreSQL: another process inserted it first
                 return False
 
-    def renew(self, name: str, owner: str, ttl_s: float) -> None:
-        expires = datetime.now(timezone.utc) + timedelta(seconds=ttl_s)
+    def renew(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Extend `owner`'s lease; False (logged as `lost`) when it is no
+        longer `owner`'s: it expired and another owner took it over."""
+        now = datetime.now(timezone.utc)
         with self.session() as s, s.begin():
-            s.execute(update(Lease).filter_by(name=name, owner=owner).values(expires_at=expires))
+            held = s.execute(update(Lease).filter_by(name=name, owner=owner).values(
+                expires_at=now + timedelta(seconds=ttl_s))).rowcount == 1
+            if not held:
+                s.add(LeaseEvent(name=name, owner=owner, event="lost", at=now))
+            return held
 
     def release(self, name: str, owner: str) -> None:
         with self.session() as s, s.begin():
-            s.execute(delete(Lease).filter_by(name=name, owner=owner))
+            if s.execute(delete(Lease).filter_by(name=name, owner=owner)).rowcount:
+                s.add(LeaseEvent(name=name, owner=owner, event="release"))
+
+    def lease_events(self, name: str | None = None) -> list[LeaseEventView]:
+        """The lease history (of one lease, or all), oldest first."""
+        stmt = select(LeaseEvent).order_by(LeaseEvent.id)
+        if name is not None:
+            stmt = stmt.where(LeaseEvent.name == name)
+        with self.session() as s:
+            return [LeaseEventView(e.name, e.owner, e.event, e.previous, _utc(e.at)) for e in s.scalars(stmt)]
 
     # -- export / import ---------------------------------------------------------
 

@@ -80,11 +80,20 @@ def tune(
         False, help="Measure the M maps again (current winners are kept, not retuned)."),
     only: Optional[str] = typer.Option(
         None, help="Only keys whose name matches this glob (e.g. 'gemma3-27b.*')."),
-    as_json: bool = typer.Option(False, "--json", help="Print the M maps as JSON."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the M maps as JSON (with --devices: and each worker's summary)."),
+    devices: Optional[str] = typer.Option(
+        None, help="GPUs of this host to tune on, e.g. 0,1: one worker process each, sharing the "
+        "families with each other and with any other tuner on the same database."),
+    lease_ttl: Optional[float] = typer.Option(
+        None, "--lease-ttl", envvar="TUNER_LEASE_TTL_S", min=0.5,
+        help="Seconds a family's lease outlives its holder's last heartbeat (default 600): a worker "
+        "that died on another host is taken over after this."),
+    worker_events: bool = typer.Option(False, "--worker-events", hidden=True),
     db: Optional[str] = DbOption,
 ) -> None:
     """Search the kernel pool for every family of a shape file and store its M map."""
-    from tuner.ladder import tune_families
+    from tuner.ladder import owner_id, tune_families
     from tuner.lookup import family_of
     from tuner.search import Budget
     from tuner.shapes import ShapeFileError, parse_shapes, resolve
@@ -101,6 +110,12 @@ def tune(
         entries = [e for e in entries if fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             _fail(f"no key of {shapes} has a name matching {only!r}")
+    if devices is not None:
+        _tune_on_devices(devices, dict(
+            shapes=str(resolve(shapes)), backend=backend, arch=arch, trials=trials, seconds=seconds,
+            ladder=ladder, force=force, revalidate=revalidate, only=only, lease_ttl=lease_ttl, db=db,
+        ), as_json)
+        return
     bk = _backend(backend, arch)
     for e in entries:
         if e.problem.carveout >= bk.sm_count:
@@ -114,21 +129,82 @@ def tune(
         families.setdefault(tuple(map(str, family_of(key).values())), []).append((entry.name, key))
     columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn())
     names = {fam: members[0][0] for fam, members in families.items()}
+    work = [(members[0][0], [k for _, k in members]) for members in families.values()]
+
+    def label(key: Key) -> str:
+        return f"{names[tuple(map(str, family_of(key).values()))] or '-'} {key.problem.label()}"
+
+    if worker_events:
+        # A worker of `--devices`: its parent shows the progress.
+        from tuner.workers import Events
+
+        events = Events()
+        events.emit("start", owner=owner_id(), device_name=bk.device_name, arch=arch)
+
+        def on_event_rung(key: Key, listed: bool):
+            return lambda done, total: events.emit("rung", label=label(key), listed=listed, done=done, total=total)
+
+        tune_families(work, bk, store, budget, ladder=ladder, force=force, revalidate=revalidate,
+                      lease_ttl_s=lease_ttl, on_rung=on_event_rung,
+                      on_family=lambda name, state, rungs: events.emit("family", name=name, state=state, rungs=rungs))
+        store.close()
+        return
     with Progress(*columns, console=err_console, transient=False) as progress:
 
         def on_rung(key: Key, listed: bool):
-            label = f"{names[tuple(map(str, family_of(key).values()))] or '-'} {key.problem.label()}"
-            task = progress.add_task(label + ("" if listed else " (rung)"), total=None)
+            task = progress.add_task(label(key) + ("" if listed else " (rung)"), total=None)
 
             def advance(done: int, total: int) -> None:
                 progress.update(task, completed=done, total=total)
             return advance
 
-        tune_families([(members[0][0], [k for _, k in members]) for members in families.values()], bk, store,
-                      budget, ladder=ladder, force=force, revalidate=revalidate, on_rung=on_rung)
+        tune_families(work, bk, store, budget, ladder=ladder, force=force, revalidate=revalidate,
+                      lease_ttl_s=lease_ttl, on_rung=on_rung)
     maps = _family_maps(store, arch=arch, device=bk.device_name, names=[m[0][0] for m in families.values()])
     store.close()
     _print_maps(maps, as_json, f"M maps ({bk.device_name}, {arch})")
+
+
+def _tune_on_devices(devices: str, options: dict, as_json: bool) -> None:
+    """`tune --devices`: one worker process per GPU (`tuner.workers`), then
+    the maps they stored."""
+    from db.engine import resolve_url
+    from tuner import workers
+
+    try:
+        visible = workers.parse_devices(devices)
+    except ValueError as exc:
+        _fail(str(exc))
+    # Every worker opens the same database: one URL, migrated once up front
+    # (a database that cannot be opened is one error here, not one per worker).
+    options["db"] = resolve_url(options["db"])
+    _open(options["db"]).close()
+    args = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            args += [flag, str(value)]
+    ran = workers.run(visible, args, err_console)
+    failed = [w for w in ran if w.rc != 0]
+    named = [m for w in ran if w.device_name for m in [(w.device_name, w.arch)]]
+    maps = []
+    if named:
+        store = _open(options["db"], writer=False)
+        maps = _family_maps(store, arch=named[0][1], device=named[0][0])
+        store.close()
+    if as_json:
+        print(json.dumps({"workers": [w.summary() for w in ran], "maps": [fm.to_json() for fm in maps]}, indent=1))
+    else:
+        table = _table(f"{len(ran)} workers", ["gpu", "pid", "families", "rungs", "s", "exit"], ())
+        for w in ran:
+            table.add_row(w.device, str(w.proc.pid), str(len(w.families)), str(w.rungs),
+                          f"{w.wall_s:.1f}", str(w.rc))
+        console.print(table)
+        _print_maps(maps, False, f"M maps ({named[0][0]}, {named[0][1]})" if named else "")
+    if failed:
+        _fail("worker(s) failed: " + ", ".join(f"gpu{w.device} (exit code {w.rc})" for w in failed), code=1)
 
 
 @app.command()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -44,10 +45,10 @@ PROBES_PER_OCTAVE = 3
 # A kernel takes a point only if cuBLAS is at least this much slower there:
 # a tie within measurement noise goes to cuBLAS.
 HOLD_MARGIN = 1.01
-# A family's lease lasts this long past its holder's last sign of life (a
-# measured trial): a worker that died is taken over after it.
+# A family's lease lasts this long past its holder's last heartbeat: a worker
+# that died (on another host: nothing else can tell) is taken over after it.
+# `tuner tune --lease-ttl` (or $TUNER_LEASE_TTL_S) overrides it.
 LEASE_TTL_S = 600.0
-RENEW_EVERY_S = 10.0
 # How long a process with nothing free to tune waits before looking again.
 WAIT_S = 0.5
 # Rounds of measuring kernel ranges at their tile-row starts (`_refine`).
@@ -124,40 +125,74 @@ def tune_family(
     return FamilyOutcome(outcomes, ranges, validated=True)
 
 
+class LeaseLost(RuntimeError):
+    """This process's lease on a family expired and another process took the
+    family over: it stops there (the other finishes it)."""
+
+
 def tune_families(
     families: Sequence[tuple[str, Sequence[Key]]], backend: Backend, store: Store, budget: Budget, *,
-    ladder: bool = True, force: bool = False, revalidate: bool = False,
+    ladder: bool = True, force: bool = False, revalidate: bool = False, lease_ttl_s: float | None = None,
     on_rung: Callable[[Key, bool], Callable[[int, int], None] | None] | None = None,
+    on_family: Callable[[str, str, int], None] | None = None,
 ) -> None:
     """`tune_family` for each (name, keys) family, shared with every other
     process tuning against the same database: a family is tuned only under
     its lease (`db.store.Store.acquire`), so no two processes measure it at
     once; one taken by another process is done after the free ones, when its
     lease is released (then its rungs are current and nothing is measured
-    again), has expired, or its holder is a process of this host that died."""
-    owner = f"{socket.gethostname()}:{os.getpid()}"
+    again), has expired, or its holder is a process of this host that died.
+
+    A heartbeat thread renews the lease every third of `lease_ttl_s` (default
+    `LEASE_TTL_S`) while the family is tuned, whatever the tuning is doing (a
+    long compile or validation included), so only a holder that died or hangs
+    loses it; one that finds it lost stops the family (`LeaseLost`) and goes on.
+    `on_family(name, event, rungs)` hears "take", "done" (with the number of
+    rungs tuned anew), "current" (another process had done it all), "lost"
+    and "wait" (nothing free: every pending family is held by others)."""
+    owner = owner_id()
+    ttl = lease_ttl_s or LEASE_TTL_S
     pending = list(families)
     while pending:
         took = False
         for item in list(pending):
             name, keys = item
             lease = f"family:{backend.name}:{backend.versions()}:{_family_tuple(keys[0])}"[:512]
-            if not store.acquire(lease, owner, LEASE_TTL_S, dead=_died_here):
+            if not store.acquire(lease, owner, ttl, dead=_died_here):
                 continue
             took = True
+            if on_family:
+                on_family(name, "take", 0)
+            beat = _Heartbeat(store, lease, owner, ttl)
             try:
-                tune_family(keys, backend, store, budget, name=name, ladder=ladder, force=force,
-                            revalidate=revalidate, on_rung=_renewing(store, lease, owner, on_rung))
+                outcome = tune_family(keys, backend, store, budget, name=name, ladder=ladder, force=force,
+                                      revalidate=revalidate, on_rung=beat.watching(on_rung))
+            except LeaseLost:
+                if on_family:
+                    on_family(name, "lost", 0)
+            else:
+                tuned = sum(not o.skipped for o in outcome.rungs.values())
+                if on_family:
+                    on_family(name, "done" if tuned or outcome.validated else "current", tuned)
             finally:
+                beat.stop()
                 store.release(lease, owner)
             pending.remove(item)
         if pending and not took:
+            if on_family:
+                on_family(pending[0][0], "wait", 0)
             time.sleep(WAIT_S)
+
+
+def owner_id() -> str:
+    """This process as a lease owner: "host:pid"."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _died_here(owner: str) -> bool:
     """Whether a lease owner ("host:pid") was a process of this host that is
-    gone: its lease need not run out (a rerun after a kill starts at once)."""
+    gone: its lease need not run out (a rerun after a kill starts at once).
+    An owner on another host is judged by its lease's expiry alone."""
     host, _, pid = owner.rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return False
@@ -170,21 +205,37 @@ def _died_here(owner: str) -> bool:
     return False
 
 
-def _renewing(store: Store, lease: str, owner: str, on_rung):
-    """`on_rung` whose per-trial callbacks also keep the lease alive."""
-    last = [time.monotonic()]
+class _Heartbeat:
+    """Renews a lease from a thread of its own until stopped; remembers a loss."""
 
-    def per_rung(key: Key, listed: bool):
-        inner = on_rung(key, listed) if on_rung else None
+    def __init__(self, store: Store, lease: str, owner: str, ttl_s: float) -> None:
+        self._stop = threading.Event()
+        self.lost = False
 
-        def tick(done: int, total: int) -> None:
-            if time.monotonic() - last[0] > RENEW_EVERY_S:
-                store.renew(lease, owner, LEASE_TTL_S)
-                last[0] = time.monotonic()
-            if inner:
-                inner(done, total)
-        return tick
-    return per_rung
+        def run() -> None:
+            while not self._stop.wait(ttl_s / 3):
+                if not store.renew(lease, owner, ttl_s):
+                    self.lost = True
+                    return
+        self._thread = threading.Thread(target=run, name=f"lease {lease[:40]}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def watching(self, on_rung):
+        """`on_rung` whose per-trial callbacks raise `LeaseLost` once the lease is lost."""
+        def per_rung(key: Key, listed: bool):
+            inner = on_rung(key, listed) if on_rung else None
+
+            def tick(done: int, total: int) -> None:
+                if self.lost:
+                    raise LeaseLost(key.study_name())
+                if inner:
+                    inner(done, total)
+            return tick
+        return per_rung
 
 
 def _family_tuple(key: Key) -> tuple:
