@@ -5,21 +5,24 @@
 Each repetition starts `--processes` tuners at once on a database file that
 does not exist yet and checks: every process exits 0, no config is measured
 twice for a key (one process per family, by lease), and every stored winner
-is the best verified trial of its key. Writes `<out>/cpu-concurrency.json`.
+is the best verified trial of its key, and the lease history shows no two
+owners of a family at once. Writes `<out>/cpu-concurrency.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from sqlalchemy import create_engine, text
+
 from bench.record import save
+from db.engine import resolve_url
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = "1,16 1024 1024 name=a\n64 2048 1024 name=b\n8 512 2048 name=c\n"
@@ -38,28 +41,53 @@ def race(shapes: Path, db: Path, processes: int, trials: int = 4) -> list[subpro
     return out
 
 
-def violations(db: Path) -> list[str]:
-    """What breaks the rules: a config measured twice for one key, a key
-    without a winner, or a winner slower than the key's best verified trial
-    (the model is deterministic: the interleaved re-measure gives the trials'
-    own times)."""
-    con = sqlite3.connect(db)
+def violations(db: Path | str) -> list[str]:
+    """What breaks the rules in the database `db` (a SQLite path or a URL):
+    a config measured twice for one key, a key without a winner, a winner
+    slower than the key's best verified trial (the model is deterministic:
+    the interleaved re-measure gives the trials' own times), or two owners
+    holding one lease at once by its history (`lease_overlaps`)."""
+    engine = create_engine(resolve_url(str(db)))
     try:
-        twice = con.execute(
-            "select key_id, config_name, count(*) from tuner_trials group by key_id, env_id, config_name"
-            " having count(*) > 1").fetchall()
-        worse = con.execute(
-            "select w.key_id, w.ms, min(t.ms) from tuner_winners w join tuner_trials t"
-            " on t.key_id = w.key_id and t.env_id = w.env_id and t.ok group by w.key_id"
-            " having abs(w.ms - min(t.ms)) > 1e-12").fetchall()
-        keys = con.execute("select count(*) from tuner_keys").fetchone()[0]
-        winners = con.execute("select count(*) from tuner_winners").fetchone()[0]
+        with engine.connect() as con:
+            twice = con.execute(text(
+                "select key_id, config_name, count(*) from tuner_trials group by key_id, env_id, config_name"
+                " having count(*) > 1")).all()
+            worse = con.execute(text(
+                "select w.key_id, w.ms, min(t.ms) from tuner_winners w join tuner_trials t"
+                " on t.key_id = w.key_id and t.env_id = w.env_id and t.ok group by w.key_id, w.ms"
+                " having abs(w.ms - min(t.ms)) > 1e-12")).all()
+            keys = con.execute(text("select count(*) from tuner_keys")).scalar()
+            winners = con.execute(text("select count(*) from tuner_winners")).scalar()
+            events = con.execute(text(
+                "select name, owner, event, previous from tuner_lease_events order by id")).all()
     finally:
-        con.close()
+        engine.dispose()
     out = [f"key {k}: {c} measured {n} times" for k, c, n in twice]
     out += [f"key {k}: winner {w} ms, best trial {b} ms" for k, w, b in worse]
     if winners != keys:
         out.append(f"{winners} winners for {keys} keys")
+    return out + lease_overlaps(events)
+
+
+def lease_overlaps(events) -> list[str]:
+    """Replay a lease history ((name, owner, event, previous) rows, in order):
+    a lease taken while held, taken over from someone other than its holder,
+    or released by a non-holder means two owners held it at once."""
+    holder: dict[str, str | None] = {}
+    out = []
+    for name, owner, event, previous in events:
+        held = holder.get(name)
+        if event == "take" and held is not None:
+            out.append(f"{owner} took {name!r} while {held} held it")
+        elif event == "takeover" and held != previous:
+            out.append(f"{owner} took {name!r} over from {previous}, but {held} held it")
+        elif event == "release" and held != owner:
+            out.append(f"{owner} released {name!r}, held by {held}")
+        if event in ("take", "takeover"):
+            holder[name] = owner
+        elif event == "release":
+            holder[name] = None
     return out
 
 
