@@ -35,7 +35,10 @@ def test_sqlite_file_is_wal_and_migrated(tmp_path):
 def test_url_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNER_DB", str(tmp_path / "env.db"))
     assert resolve_url(None) == f"sqlite:///{tmp_path / 'env.db'}"
-    assert resolve_url("postgresql://u@h/db") == "postgresql://u@h/db"
+    # A plain PostgreSQL URL is driven by psycopg (the `postgres` extra); a named driver stays.
+    assert resolve_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert resolve_url("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert resolve_url("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
     monkeypatch.delenv("TUNER_DB")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert resolve_url(None) == f"sqlite:///{tmp_path}/gemm-tuner/tuner.db"
