@@ -1,0 +1,135 @@
+"""Run a model's linear layers through the tuned dispatch: `patch(model)`.
+
+    import tuner
+    tuner.patch(model)          # every bf16/fp16 CUDA nn.Linear now runs `gemm`
+    with tuner.patched(model):  # ... or only inside the block
+        model(...)
+
+Every module of exact type `nn.Linear` whose weight is a bf16 or fp16 CUDA
+tensor becomes a `TunedLinear` (its class is swapped: parameters, hooks,
+state dict and `isinstance(m, nn.Linear)` stay as they were); `unpatch`
+swaps it back. Other modules, and subclasses of `nn.Linear` that bring their
+own forward, are left alone.
+
+The database is read once, at patch time: for each distinct (N, K, dtype,
+device) the M intervals where `gemm` may run a kernel (`dispatch.kernel_spans`).
+A call whose M (rows of the flattened input) lies outside them runs
+`F.linear` directly, exactly as the unpatched layer does: an M where cuBLAS
+was measured fastest, or that nothing covers, costs a tuple test, nothing
+more. Inside them the call goes to `gemm` (which still falls back to cuBLAS
+where it must) and the bias is added after. Under `torch.compile` the test
+is on M at trace time (a guard when M is dynamic), so a compiled graph holds
+either the plain `linear` or the `gemm_tuner::gemm` op, never both; CUDA graph
+capture works once each key has been called before capturing. Patch again
+after retuning or `dispatch.configure` to read the new choices.
+
+Calls that need autograd (grad enabled and a weight that requires grad) and
+inputs of another dtype than the weight (autocast) run `F.linear`: `gemm` is
+forward only and takes one input dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class PatchWarning(UserWarning):
+    """`patch` found nothing to patch, or shapes with nothing tuned: they run cuBLAS."""
+
+
+class TunedLinear(nn.Linear):
+    """An `nn.Linear` whose forward runs `gemm` at the M where a kernel may win."""
+
+    # M intervals where `gemm` may run a kernel, from the database at patch time.
+    tuner_spans: tuple[tuple[int, int], ...] = ()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        m = input.numel() // self.in_features
+        for lo, hi in self.tuner_spans:
+            if lo <= m <= hi:
+                return self._tuned(input)
+        return F.linear(input, self.weight, self.bias)
+
+    def _tuned(self, input: torch.Tensor) -> torch.Tensor:
+        from tuner.dispatch import gemm
+
+        if input.dtype != self.weight.dtype or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(input, self.weight, self.bias)
+        y = gemm(input.reshape(-1, self.in_features), self.weight.t())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*input.shape[:-1], self.out_features)
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
+    dispatch (module doc); returns `model`. Patching a patched model reads
+    the database again. Warns (`PatchWarning`) when no layer qualifies, and
+    names the shapes nothing is tuned for."""
+    from tuner.dispatch import kernel_spans
+
+    layers = [m for m in model.modules() if _eligible(m)]
+    if not layers:
+        kinds = sorted({_describe(m.weight) for m in model.modules() if type(m) in (nn.Linear, TunedLinear)})
+        warnings.warn(
+            "tuner.patch: no nn.Linear of this model has a bf16/fp16 CUDA weight "
+            f"({', '.join(kinds) or 'it has no nn.Linear'}): the model is left as it is; "
+            "move it to the GPU in bf16 or fp16 first", PatchWarning, stacklevel=2)
+        return model
+    found: dict[tuple, tuple] = {}
+    for layer in layers:
+        w = layer.weight
+        key = (w.device.index, w.dtype, layer.out_features, layer.in_features)
+        if key not in found:
+            found[key] = kernel_spans(*key)
+        layer.__class__ = TunedLinear
+        layer.tuner_spans = found[key][0]
+    untuned = {}
+    for (_, dtype, n, k), (_, why) in found.items():
+        if why is not None:
+            untuned.setdefault(why, []).append(f"{n}x{k} {_DTYPE_NAME[dtype]}")
+    for why, shapes in untuned.items():
+        warnings.warn(f"tuner.patch: {len(shapes)} of {len(found)} linear shapes (N x K) run cuBLAS: {why}: "
+                      f"{', '.join(shapes)}", PatchWarning, stacklevel=2)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo `patch`: every `TunedLinear` of `model` is an `nn.Linear` again."""
+    for layer in model.modules():
+        if type(layer) is TunedLinear:
+            layer.__class__ = nn.Linear
+            del layer.tuner_spans
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module) -> Iterator[nn.Module]:
+    """`patch(model)` for the block, `unpatch(model)` after it."""
+    patch(model)
+    try:
+        yield model
+    finally:
+        unpatch(model)
+
+
+_DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _eligible(module: nn.Module) -> bool:
+    if type(module) not in (nn.Linear, TunedLinear):
+        return False
+    w = module.weight
+    return w.is_cuda and w.dtype in _DTYPES and w.dim() == 2 and w.is_contiguous()
+
+
+def _describe(w: torch.Tensor) -> str:
+    return f"{str(w.dtype).removeprefix('torch.')} on {w.device.type}"
