@@ -65,6 +65,8 @@ def test_a_model_without_cuda_tensors_is_left_as_it_is_with_a_warning():
 
 
 def test_patch_swaps_only_plain_linears_and_unpatch_restores_them(spy):
+    _, spans = spy
+    spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),), (32, 32): ((1, 8),)})
     net = _net()
     params = {name: p for name, p in net.named_parameters()}
     seen = []
@@ -110,7 +112,42 @@ def test_autograd_and_other_input_dtypes_run_f_linear(spy):
     assert calls == [(4, 128)]
 
 
+def test_a_layer_without_kernel_spans_stays_a_plain_linear(spy):
+    _, spans = spy
+    net = _net()
+    spans[(128, 64)] = ((1, 8),)
+    patch(net)
+    assert [type(m) for m in net][:3] == [TunedLinear, nn.LayerNorm, nn.Linear]
+    spans.clear()  # retuned: cuBLAS everywhere; patching again reads that
+    patch(net)
+    assert type(net[0]) is nn.Linear and "tuner_spans" not in net[0].__dict__
+
+
+def test_a_kernel_launch_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypatch):
+    calls, spans = spy
+    launched = []
+
+    def launch(a, b, out, offs):
+        launched.append(a.shape[0])
+        return torch.mm(a, b)
+
+    monkeypatch.setattr(dispatch, "launcher", lambda a, b: launch if a.shape[0] == 4 else None)
+    net = _net()
+    spans[(128, 64)] = ((1, 8),)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), patched(net):
+        first = net(x)  # gemm decides; the layer keeps the launch
+        again = net(x)
+        net(torch.randn(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64))  # 2-byte offset: not aligned
+        net(torch.randn(3, 64, dtype=torch.bfloat16))  # another M: no launch kept for it
+        assert net[0].tuner_launchers == {4: launch}
+    assert calls == [(4, 128), (4, 128), (3, 128)] and launched == [4]
+    assert torch.equal(first, again)
+
+
 def test_patched_context_unpatches_when_the_block_raises(spy):
+    _, spans = spy
+    spans[(128, 64)] = ((1, 8),)
     net = _net()
     with pytest.raises(RuntimeError), patched(net):
         assert type(net[0]) is TunedLinear
@@ -206,6 +243,9 @@ def test_patched_model_matches_unpatched_and_runs_the_kernels(tiny):
             assert all(type(m) is TunedLinear and m.tuner_spans == ((1, 1 << 16),)
                        for m in tiny.modules() if isinstance(m, nn.Linear))
             got = tiny(ids).logits
+            # Every layer kept its kernel launch for M = 128; the next forward takes them.
+            assert all(m.tuner_launchers for m in tiny.model.layers.modules() if type(m) is TunedLinear)
+            assert torch.equal(tiny(ids).logits, got)
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     assert dispatch.explain(x, tiny.model.layers[0].self_attn.q_proj.weight.t()).path == "kernel"
     assert _rel_err(got, want) < 2e-2

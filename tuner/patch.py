@@ -6,18 +6,21 @@
         model(...)
 
 Every module of exact type `nn.Linear` whose weight is a bf16 or fp16 CUDA
-tensor becomes a `TunedLinear` (its class is swapped: parameters, hooks,
-state dict and `isinstance(m, nn.Linear)` stay as they were); `unpatch`
-swaps it back. Other modules, and subclasses of `nn.Linear` that bring their
-own forward, are left alone.
+tensor goes through the dispatch's rule. The database is read once, at patch
+time: for each distinct (N, K, dtype, device) the M intervals where `gemm`
+may run a kernel (`dispatch.kernel_spans`). A layer whose family has such
+intervals becomes a `TunedLinear` (its class is swapped: parameters, hooks,
+state dict and `isinstance(m, nn.Linear)` stay as they were); one without
+any stays an `nn.Linear`, since `gemm` would run cuBLAS for it at every M:
+that costs nothing per call. `unpatch` swaps the class back. Other modules,
+and subclasses of `nn.Linear` that bring their own forward, are left alone.
 
-The database is read once, at patch time: for each distinct (N, K, dtype,
-device) the M intervals where `gemm` may run a kernel (`dispatch.kernel_spans`).
-A call whose M (rows of the flattened input) lies outside them runs
-`F.linear` directly, exactly as the unpatched layer does: an M where cuBLAS
-was measured fastest, or that nothing covers, costs a tuple test, nothing
-more. Inside them the call goes to `gemm` (which still falls back to cuBLAS
-where it must) and the bias is added after. Under `torch.compile` the test
+A `TunedLinear` call whose M (rows of the flattened input) lies outside its
+intervals runs `F.linear` directly, as the unpatched layer does, after a
+tuple test; inside them it goes to `gemm` (which still falls back to cuBLAS
+where it must) and the bias is added after. Once `gemm` has chosen a kernel
+for an M, the layer keeps its launch and calls it directly (its host cost
+is then below `F.linear`'s: a decode step is launch-bound). Under `torch.compile` the test
 is on M at trace time (a guard when M is dynamic), so a compiled graph holds
 either the plain `linear` or the `gemm_tuner::gemm` op, never both; CUDA graph
 capture works once each key has been called before capturing. Patch again
@@ -38,7 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tuner import dispatch
+
 _DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
 
 
 class PatchWarning(UserWarning):
@@ -50,6 +56,9 @@ class TunedLinear(nn.Linear):
 
     # M intervals where `gemm` may run a kernel, from the database at patch time.
     tuner_spans: tuple[tuple[int, int], ...] = ()
+    # M -> the kernel launch `gemm` chose for this weight, kept after the first
+    # eager call: a repeat call then skips gemm's checks but a's alignment.
+    tuner_launchers: dict
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m = input.numel() // self.in_features
@@ -59,11 +68,20 @@ class TunedLinear(nn.Linear):
         return F.linear(input, self.weight, self.bias)
 
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
-        from tuner.dispatch import gemm
-
         if input.dtype != self.weight.dtype or (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(input, self.weight, self.bias)
-        y = gemm(input.reshape(-1, self.in_features), self.weight.t())
+        x, wt = input.reshape(-1, self.in_features), self.weight.t()
+        if torch.compiler.is_compiling():
+            y = dispatch.gemm(x, wt)
+        else:
+            launch = self.tuner_launchers.get(x.shape[0])
+            if launch is not None and x.is_contiguous() and not x.data_ptr() % _ALIGN:
+                y = launch(x, wt, None, None)
+            else:
+                y = dispatch.gemm(x, wt)
+                launch = dispatch.launcher(x, wt)
+                if launch is not None and x.is_contiguous():
+                    self.tuner_launchers[x.shape[0]] = launch
         if self.bias is not None:
             y = y + self.bias
         return y.view(*input.shape[:-1], self.out_features)
@@ -74,8 +92,6 @@ def patch(model: nn.Module) -> nn.Module:
     dispatch (module doc); returns `model`. Patching a patched model reads
     the database again. Warns (`PatchWarning`) when no layer qualifies, and
     names the shapes nothing is tuned for."""
-    from tuner.dispatch import kernel_spans
-
     layers = [m for m in model.modules() if _eligible(m)]
     if not layers:
         kinds = sorted({_describe(m.weight) for m in model.modules() if type(m) in (nn.Linear, TunedLinear)})
@@ -89,9 +105,13 @@ def patch(model: nn.Module) -> nn.Module:
         w = layer.weight
         key = (w.device.index, w.dtype, layer.out_features, layer.in_features)
         if key not in found:
-            found[key] = kernel_spans(*key)
-        layer.__class__ = TunedLinear
-        layer.tuner_spans = found[key][0]
+            found[key] = dispatch.kernel_spans(*key)
+        spans = found[key][0]
+        if spans:
+            layer.__class__ = TunedLinear
+            layer.tuner_spans, layer.tuner_launchers = spans, {}
+        else:
+            _restore(layer)
     untuned = {}
     for (_, dtype, n, k), (_, why) in found.items():
         if why is not None:
@@ -105,10 +125,14 @@ def patch(model: nn.Module) -> nn.Module:
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo `patch`: every `TunedLinear` of `model` is an `nn.Linear` again."""
     for layer in model.modules():
-        if type(layer) is TunedLinear:
-            layer.__class__ = nn.Linear
-            del layer.tuner_spans
+        _restore(layer)
     return model
+
+
+def _restore(layer: nn.Module) -> None:
+    if type(layer) is TunedLinear:
+        layer.__class__ = nn.Linear
+        del layer.tuner_spans, layer.tuner_launchers
 
 
 @contextlib.contextmanager
