@@ -41,6 +41,7 @@ their family's kernel intervals).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -150,7 +152,8 @@ def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: 
     return hits, linears
 
 
-def bench_model(name: str, args: argparse.Namespace) -> dict:
+def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
+    """The model's cases; `checkpoint(record)` after each (a run cut short keeps what it measured)."""
     torch.manual_seed(0)
     model = build_model(name, num_layers=args.layers, device=DEVICE, dtype=torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
@@ -183,10 +186,12 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
                 }
             _report(name, f"prefill {batch}x{seq}", case)
             record["prefill"].append(case)
+            checkpoint(record)
         for batch in args.decode:
             record["decode"].append(_decode_case(model, batch, vocab, gen, args))
             record["decode"][-1]["kernel_calls"] = _kernel_calls(spans, linears, batch, batch)
             _report(name, f"decode {batch}", record["decode"][-1])
+            checkpoint(record)
     unpatch(model)
     del model
     torch._dynamo.reset()
@@ -245,7 +250,7 @@ def _report(name: str, label: str, case: dict) -> None:
     print(" | ".join(parts), file=sys.stderr)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, checkpoint) -> dict:
     torch._dynamo.config.recompile_limit = 64  # a graph per variant, and per step count where an int is specialized
     dispatch.configure(args.db)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "db": os.path.basename(args.db),
@@ -254,13 +259,15 @@ def run(args: argparse.Namespace) -> dict:
 
     record["transformers"] = transformers.__version__
     for name in args.models:
-        record["models"].append(bench_model(name, args))
+        record["models"].append({})
+        bench_model(name, args, lambda model: (record["models"].__setitem__(-1, model), checkpoint(record)))
     cases = [c[mode] for m in record["models"] for kind in ("prefill", "decode") for c in m[kind]
              for mode in ("eager", "compiled") if mode in c]
     record["summary"] = {
         "cases": len(cases), "min_speedup": min(c["speedup"] for c in cases),
         "geomean_speedup": math.exp(statistics.fmean(math.log(c["speedup"]) for c in cases)),
         "max_rel_err": max(c["rel_err"] for c in cases),
+        "outputs_within_limit": all(c["rel_err"] <= REL_ERR_LIMIT for c in cases),
     }
     return record
 
@@ -285,12 +292,14 @@ def main() -> None:
         tune(args)
     if args.tune_only:
         return
-    record = run(args)
     # A run over some of the models (one command per model fits the GPU
     # machine's time limit) names them.
     which = "" if args.models == list(MODELS) else "-" + "+".join(os.path.basename(m).removesuffix(".json")
                                                                 for m in args.models)
-    save(record, os.environ.get("OUT") or args.out, f"{device_slug(record['device'])}-e2e{which}")
+    path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))
+    save(record, str(path.parent), path.stem)
 
 
 if __name__ == "__main__":

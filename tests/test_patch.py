@@ -71,7 +71,7 @@ def test_patch_swaps_only_plain_linears_and_unpatch_restores_them(spy):
     params = {name: p for name, p in net.named_parameters()}
     seen = []
     net[0].register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
-    patch(net)
+    patch(net, bias=True)
     assert [type(m) for m in net] == [TunedLinear, nn.LayerNorm, TunedLinear, _OwnLinear]
     assert isinstance(net[0], nn.Linear)
     # Same parameters (the very tensors), same state dict names, hooks kept.
@@ -89,7 +89,7 @@ def test_only_m_inside_the_kernel_spans_goes_to_gemm_and_outputs_match(spy):
     spans[(128, 64)] = ((2, 8), (100, 200))
     x = torch.randn(5, 3, 64, dtype=torch.bfloat16)  # M = 15: outside
     want = net(x)
-    with torch.no_grad(), patched(net):
+    with torch.no_grad(), patched(net, bias=True):
         assert torch.equal(net(x), want) and calls == []
         x2 = x[:2, :2].contiguous()  # M = 4: inside, with a bias to add after
         got = net(x2)
@@ -103,7 +103,7 @@ def test_autograd_and_other_input_dtypes_run_f_linear(spy):
     calls, spans = spy
     net = _net()
     spans[(128, 64)] = ((1, 1 << 20),)
-    patch(net)
+    patch(net, bias=True)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     net(x).float().sum().backward()  # grad enabled and weights that need it: F.linear
     assert calls == [] and net[0].weight.grad is not None
@@ -112,14 +112,26 @@ def test_autograd_and_other_input_dtypes_run_f_linear(spy):
     assert calls == [(4, 128)]
 
 
+def test_layers_with_a_bias_are_left_to_cublas_unless_asked(spy):
+    calls, spans = spy
+    spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),)})
+    net = _net()
+    patch(net)
+    assert [type(m) for m in net][:3] == [nn.Linear, nn.LayerNorm, TunedLinear]  # net[0] has a bias
+    patch(net, bias=True)
+    assert type(net[0]) is TunedLinear
+    patch(net)  # and a later patch without it gives it back to cuBLAS
+    assert type(net[0]) is nn.Linear
+
+
 def test_a_layer_without_kernel_spans_stays_a_plain_linear(spy):
     _, spans = spy
     net = _net()
     spans[(128, 64)] = ((1, 8),)
-    patch(net)
+    patch(net, bias=True)
     assert [type(m) for m in net][:3] == [TunedLinear, nn.LayerNorm, nn.Linear]
     spans.clear()  # retuned: cuBLAS everywhere; patching again reads that
-    patch(net)
+    patch(net, bias=True)
     assert type(net[0]) is nn.Linear and "tuner_spans" not in net[0].__dict__
 
 
@@ -135,7 +147,7 @@ def test_a_kernel_launch_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypa
     net = _net()
     spans[(128, 64)] = ((1, 8),)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    with torch.no_grad(), patched(net):
+    with torch.no_grad(), patched(net, bias=True):
         first = net(x)  # gemm decides; the layer keeps the launch
         again = net(x)
         net(torch.randn(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64))  # 2-byte offset: not aligned
@@ -149,7 +161,7 @@ def test_patched_context_unpatches_when_the_block_raises(spy):
     _, spans = spy
     spans[(128, 64)] = ((1, 8),)
     net = _net()
-    with pytest.raises(RuntimeError), patched(net):
+    with pytest.raises(RuntimeError), patched(net, bias=True):
         assert type(net[0]) is TunedLinear
         raise RuntimeError("boom")
     assert type(net[0]) is nn.Linear
@@ -159,7 +171,7 @@ def test_untuned_shapes_are_named_in_one_warning(monkeypatch):
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
     monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((), "not tuned on this device"))
     with pytest.warns(PatchWarning, match=r"2 of 2 linear shapes .* not tuned on this device: 128x64 bf16, 32x128 bf16"):
-        patch(_net())
+        patch(_net(), bias=True)
 
 
 def test_kernel_spans_from_a_real_store(tmp_path):

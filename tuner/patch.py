@@ -14,6 +14,9 @@ state dict and `isinstance(m, nn.Linear)` stay as they were); one without
 any stays an `nn.Linear`, since `gemm` would run cuBLAS for it at every M:
 that costs nothing per call. `unpatch` swaps the class back. Other modules,
 and subclasses of `nn.Linear` that bring their own forward, are left alone.
+So are layers with a bias unless `patch(model, bias=True)`: `F.linear` adds
+the bias in cuBLAS's epilogue, while the pool's kernels would need a second
+kernel for it, and the maps measured the product alone.
 
 A `TunedLinear` call whose M (rows of the flattened input) lies outside its
 intervals runs `F.linear` directly, as the unpatched layer does, after a
@@ -87,12 +90,21 @@ class TunedLinear(nn.Linear):
         return y.view(*input.shape[:-1], self.out_features)
 
 
-def patch(model: nn.Module) -> nn.Module:
+def patch(model: nn.Module, *, bias: bool = False) -> nn.Module:
     """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
-    dispatch (module doc); returns `model`. Patching a patched model reads
-    the database again. Warns (`PatchWarning`) when no layer qualifies, and
-    names the shapes nothing is tuned for."""
-    layers = [m for m in model.modules() if _eligible(m)]
+    dispatch (module doc); returns `model`. `bias`: layers with a bias too
+    (added after the product). Patching a patched model reads the database
+    again. Warns (`PatchWarning`) when no layer qualifies, and names the
+    shapes nothing is tuned for."""
+    layers, biased = [], False
+    for m in model.modules():
+        if _eligible(m) and (bias or m.bias is None):
+            layers.append(m)
+        elif _eligible(m):
+            _restore(m)  # patched before with bias=True
+            biased = True
+    if not layers and biased:
+        return model  # every CUDA layer has a bias: left to cuBLAS's fused epilogue, as asked
     if not layers:
         kinds = sorted({_describe(m.weight) for m in model.modules() if type(m) in (nn.Linear, TunedLinear)})
         warnings.warn(
@@ -136,9 +148,9 @@ def _restore(layer: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def patched(model: nn.Module) -> Iterator[nn.Module]:
-    """`patch(model)` for the block, `unpatch(model)` after it."""
-    patch(model)
+def patched(model: nn.Module, *, bias: bool = False) -> Iterator[nn.Module]:
+    """`patch(model, bias=bias)` for the block, `unpatch(model)` after it."""
+    patch(model, bias=bias)
     try:
         yield model
     finally:
