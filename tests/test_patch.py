@@ -170,7 +170,8 @@ def test_patched_context_unpatches_when_the_block_raises(spy):
 def test_untuned_shapes_are_named_in_one_warning(monkeypatch):
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
     monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((), "not tuned on this device"))
-    with pytest.warns(PatchWarning, match=r"2 of 2 linear shapes .* not tuned on this device: 128x64 bf16, 32x128 bf16"):
+    with pytest.warns(PatchWarning, match=r"2 of 2 linear shapes .* not tuned on this device: 128x64 bf16, 32x128 bf16"
+                      ):
         patch(_net(), bias=True)
 
 
@@ -197,6 +198,8 @@ def test_kernel_spans_from_a_real_store(tmp_path):
 
     store.set_ranges(family_of(key(1)), env, ranges)
     assert kernel_spans(store, key(1)) == ((64, 300),)  # a map: its kernel intervals only
+    assert kernel_spans(store, key(1), versions("TestGPU")) == ((64, 300),)
+    assert kernel_spans(store, key(1), {**versions("TestGPU"), "torch": "0.0"}) == ()  # stale: left out
     assert kernel_spans(store, key(1, n=1024)) is None
     store.close()
 
@@ -284,23 +287,35 @@ def test_cuda_graph_capture_of_a_patched_decode_step(tiny):
 
     batch, prompt = 4, 16
     ids = torch.randint(0, TINY["vocab_size"], (batch, prompt), device="cuda")
-    with torch.inference_mode():
-        cache = StaticCache(config=tiny.config, max_cache_len=prompt + 1)
+    token = torch.randint(0, TINY["vocab_size"], (batch, 1), device="cuda")
+    position = torch.tensor([prompt], device="cuda")
+    cache = StaticCache(config=tiny.config, max_cache_len=prompt + 1)
+
+    def prefill():
+        cache.reset()  # in place: the captured step keeps pointing at the same cache tensors
         tiny(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"))
-        token = torch.randint(0, TINY["vocab_size"], (batch, 1), device="cuda")
-        position = torch.tensor([prompt], device="cuda")
-        want = tiny(input_ids=token, past_key_values=cache, cache_position=position).logits.clone()
+
+    def replayed_step():
+        """One decode step captured in a CUDA graph (after a warm-up) and replayed on the prompt's cache."""
+        step = lambda: tiny(input_ids=token, past_key_values=cache, cache_position=position).logits  # noqa: E731
+        prefill()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up: every key decided and built before capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+        prefill()
+        graph.replay()
+        torch.cuda.synchronize()
+        return logits.clone()
+
+    with torch.inference_mode():
+        want = replayed_step()
         with warnings.catch_warnings(), patched(tiny):
             _strict()
-            step = lambda: tiny(input_ids=token, past_key_values=cache, cache_position=position).logits  # noqa: E731
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()  # warm-up: every key decided and built before capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = step()
-            graph.replay()
-            torch.cuda.synchronize()
-    assert _rel_err(logits, want) < 2e-2
+            got = replayed_step()
+            assert all(m.tuner_launchers for m in tiny.model.layers.modules() if type(m) is TunedLinear)
+    assert _rel_err(got, want) < 2e-2

@@ -152,12 +152,14 @@ def explain_key(key) -> Explanation:
     return _choose(key)[0]
 
 
-def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int) -> tuple[tuple[tuple[int, int], ...], str | None]:
+def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int
+                 ) -> tuple[tuple[tuple[int, int], ...], str | None]:
     """Where `gemm(x, W.t())` may run a kernel for a contiguous (n, k) weight
     W of `dtype` on that CUDA device: the M intervals (outside them it runs
     cuBLAS, so a caller may call torch there directly), and why there are none
-    to be had (None when the family is tuned). With online tuning on, every M
-    may be measured, so the one span is every M. Reads the store every time."""
+    to be had (None when the family is tuned). Stale choices are left out
+    (gemm would not run them). With online tuning on, every M may be
+    measured, so the one span is every M. Reads the store every time."""
     from tuner.key import Key, Problem
     from tuner.lookup import kernel_spans as family_spans
 
@@ -177,9 +179,12 @@ def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int) -> tuple
     store = _store()
     if store is None:
         return (), f"no readable winners database at {_db_where()}"
-    spans = family_spans(store, Key(arch, torch.cuda.get_device_name(device_index), problem))
+    key = Key(arch, torch.cuda.get_device_name(device_index), problem)
+    spans = family_spans(store, key, _versions(key.device))
     if spans is None:
         return (), "not tuned on this device (`tuner tune`)"
+    if not spans and family_spans(store, key):
+        return (), "its kernel choices were measured under other software versions: retune (`tuner tune`)"
     return spans, None
 
 
