@@ -170,8 +170,8 @@ def test_patched_context_unpatches_when_the_block_raises(spy):
 def test_untuned_shapes_are_named_in_one_warning(monkeypatch):
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
     monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((), "not tuned on this device"))
-    with pytest.warns(PatchWarning, match=r"2 of 2 linear shapes .* not tuned on this device: 128x64 bf16, 32x128 bf16"
-                      ):
+    match = r"2 of 2 linear shapes .* not tuned on this device: 128x64 bf16, 32x128 bf16"
+    with pytest.warns(PatchWarning, match=match):
         patch(_net(), bias=True)
 
 
