@@ -4,7 +4,7 @@ patched (`tuner.patch`), eager and under torch.compile.
     python -m bench.e2e --db DB [--tune gpu|model|none] [--tune-only] [--trials N]
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024] [--decode 1,16] [--steps 16] [--prompt 128]
-                        [--rounds 10] [--compile/--no-compile] [--out bench/results]
+                        [--rounds 20] [--modes eager,compiled] [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
 (`tuner/data/models/`) truncated to `--layers` decoder layers, with random
@@ -135,11 +135,12 @@ def _paired(model, run, rounds: int, prepare=lambda: None) -> dict:
             "spread": statistics.pstdev(logs)}
 
 
-def _modes(model, compile_too: bool):
+def _modes(model, modes: list[str]):
     """(mode, callable) pairs; the compiled one starts from an empty dynamo cache,
     so each case compiles for its own static shapes."""
-    yield "eager", model
-    if compile_too:
+    if "eager" in modes:
+        yield "eager", model
+    if "compiled" in modes:
         torch._dynamo.reset()
         yield "compiled", torch.compile(model)
 
@@ -175,7 +176,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
             case = {"batch": batch, "seq": seq, "kernel_calls": _kernel_calls(spans, linears, batch * seq, batch)}
             unpatch(model)
             want = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
-            for mode, fn in _modes(model, args.compile):
+            for mode, fn in _modes(model, args.modes):
                 run = lambda: fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
                 timing = _paired(model, run, args.rounds)
                 _set(model, "patched")
@@ -226,7 +227,7 @@ def _decode_case(model, batch: int, vocab: int, gen, args) -> dict:
     prefill()
     want_logits, want_tokens = loop(model)
     case = {"batch": batch, "prompt": args.prompt, "steps": args.steps}
-    for mode, fn in _modes(model, args.compile):
+    for mode, fn in _modes(model, args.modes):
         timing = _paired(model, lambda: loop(fn), args.rounds, prefill)
         _set(model, "patched")
         prefill()
@@ -284,8 +285,9 @@ def main() -> None:
     parser.add_argument("--decode", type=lambda t: [int(v) for v in t.split(",")], default=[1, 16])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--modes", type=lambda t: t.split(","), default=["eager", "compiled"],
+                        help="eager, compiled or both (comma-separated).")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.tune != "none":
