@@ -23,16 +23,19 @@ downloaded).
    batch x steps / time), each unpatched and patched (one model:
    `patch`/`unpatch` swap its layers' class), eager and under
    `torch.compile(model)` (compiled anew for each case, so for its static
-   shapes; one graph per variant, guarded on the layers' class). The two variants alternate, each round
-   timing one prefill or one decode loop on the host clock after a sync (the
-   host's cost is part of what a user waits for); the speedup is patched over
-   unpatched tokens/s, a trimmed mean of the rounds' paired log ratios (as
-   `bench.dynamic_m`).
+   shapes; one graph per variant, guarded on the layers' class). Layers with
+   a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by default. The
+   two variants alternate, each round timing one prefill or one decode loop
+   on the host clock after a sync (the host's cost is part of what a user
+   waits for); the speedup is patched over unpatched tokens/s, a trimmed mean
+   of the rounds' paired log ratios (as `bench.dynamic_m`).
 3. Outputs: patched logits against unpatched ones (relative Frobenius error of
    the prefill logits and of the first decode step's) and the share of
    greedy decode tokens that agree.
 
-Writes `<out>/<device-slug>-e2e.json` (`$OUT` instead of `--out` when set):
+Writes `<out>/<device-slug>-e2e[-MODELS][-MODES].json` (`$OUT` instead of
+`--out` when set; the suffixes name a subset of models or modes, and the file
+is rewritten after every case, so a run cut short keeps what it measured):
 per model and case the tokens/s of each variant, the speedup, the errors,
 and how many linear calls of a forward may run a tuned kernel (their M inside
 their family's kernel intervals).
@@ -294,10 +297,11 @@ def main() -> None:
         tune(args)
     if args.tune_only:
         return
-    # A run over some of the models (one command per model fits the GPU
-    # machine's time limit) names them.
+    # A run over some of the models or modes (split runs fit the GPU
+    # machine's time limit per command) names them.
     which = "" if args.models == list(MODELS) else "-" + "+".join(os.path.basename(m).removesuffix(".json")
                                                                 for m in args.models)
+    which += "" if sorted(args.modes) == ["compiled", "eager"] else "-" + "+".join(args.modes)
     path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))
