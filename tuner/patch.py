@@ -1,7 +1,7 @@
 """Run a model's linear layers through the tuned dispatch: `patch(model)`.
 
     import tuner
-    tuner.patch(model)          # every bf16/fp16 CUDA nn.Linear now runs `gemm`
+    tuner.patch(model)          # bf16/fp16 CUDA nn.Linear layers: tuned kernels where they won
     with tuner.patched(model):  # ... or only inside the block
         model(...)
 
@@ -22,12 +22,13 @@ A `TunedLinear` call whose M (rows of the flattened input) lies outside its
 intervals runs `F.linear` directly, as the unpatched layer does, after a
 tuple test; inside them it goes to `gemm` (which still falls back to cuBLAS
 where it must) and the bias is added after. Once `gemm` has chosen a kernel
-for an M, the layer keeps its launch and calls it directly (its host cost
-is then below `F.linear`'s: a decode step is launch-bound). Under `torch.compile` the test
-is on M at trace time (a guard when M is dynamic), so a compiled graph holds
-either the plain `linear` or the `gemm_tuner::gemm` op, never both; CUDA graph
-capture works once each key has been called before capturing. Patch again
-after retuning or `dispatch.configure` to read the new choices.
+for an M, the layer keeps its launch and calls it directly, skipping every
+check but the input's alignment (a decode step is launch-bound). Under
+`torch.compile` the test is on M at trace time (a guard when M is dynamic),
+so a layer's graph holds either the plain `linear` or the `gemm_tuner::gemm`
+op, not both; CUDA graph capture works once each key has been called before
+capturing. Patch again after retuning or `dispatch.configure` to read the
+new choices.
 
 Calls that need autograd (grad enabled and a weight that requires grad) and
 inputs of another dtype than the weight (autocast) run `F.linear`: `gemm` is
