@@ -113,3 +113,14 @@ def test_tune_model_tunes_every_linear_shape_in_one_step(tmp_path):
     assert {(w["key"]["m"], w["key"]["n"], w["key"]["k"]) for w in winners} == {
         (16, 512, 512), (16, 128, 512), (16, 1024, 512), (16, 512, 1024), (16, 2048, 512)}
     assert _cli("tune", "--db", str(db)).returncode == 2
+
+
+def test_the_e2e_bench_tunes_the_m_its_runs_call():
+    from bench.e2e import shape_file
+
+    entries = parse_text(shape_file(["llama-3.1-8b"], 2, [(1, 512), (4, 256)], [1, 16]), "e2e")
+    ms = {}
+    for e in entries:
+        ms.setdefault(e.name, set()).add(e.problem.m)
+    assert ms["llama-3.1-8b.lm_head"] == {1, 4, 16}  # the last position's logits: one row per sequence
+    assert ms["llama-3.1-8b.down_proj"] == {1, 16, 512, 1024}
