@@ -1,5 +1,7 @@
 """Scheduler-aware GEMM autotuning: `gemm` runs the tuned kernel for a shape,
-`explain` says which one and why, `lookup` finds a key's winner in a store.
+`explain` says which one and why, `lookup` finds a key's winner in a store,
+`patch(model)` (or `with patched(model):`) runs a model's linear layers
+through `gemm` and `unpatch(model)` undoes it.
 
 The names load on first use: `import tuner` stays cheap (no torch, no
 database driver) for the command line and the HTTP service.
@@ -11,7 +13,10 @@ import importlib
 import sys
 import types
 
-_EXPORTS = {"gemm": "tuner.dispatch", "explain": "tuner.dispatch", "lookup": "tuner.lookup"}
+_EXPORTS = {
+    "gemm": "tuner.dispatch", "explain": "tuner.dispatch", "lookup": "tuner.lookup",
+    "patch": "tuner.patch", "unpatch": "tuner.patch", "patched": "tuner.patch",
+}
 __all__ = sorted(_EXPORTS)
 
 

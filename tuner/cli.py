@@ -67,7 +67,11 @@ def _backend(name: str, arch: str):
 
 @app.command()
 def tune(
-    shapes: Path = typer.Option(..., "--shapes", help="Shape file: one GEMM key per line."),
+    shapes: Optional[Path] = typer.Option(None, "--shapes", help="Shape file: one GEMM key per line."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="Tune every linear layer of a model instead: a config.json, a shipped "
+        "config's name or package.module:attr (see `shapes --from-model`)."),
+    model_m: str = typer.Option("1,16,128,512,2048,8192", "--m", help="With --model: token counts M."),
     backend: str = typer.Option("model", help="Measurement backend: model or gpu."),
     arch: str = typer.Option("sm90", help="Target architecture: sm90 or sm100."),
     trials: Optional[int] = typer.Option(None, min=1, help="Measured trials per listed key."),
@@ -92,25 +96,31 @@ def tune(
     worker_events: bool = typer.Option(False, "--worker-events", hidden=True),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Search the kernel pool for every family of a shape file and store its M map."""
+    """Search the kernel pool for every family of a shape file (or a model's
+    linear layers) and store its M map."""
     from tuner.ladder import owner_id, tune_families
     from tuner.lookup import family_of
     from tuner.search import Budget
-    from tuner.shapes import ShapeFileError, parse_shapes, resolve
+    from tuner.shapes import ShapeFileError, parse_shapes, parse_text, resolve
 
+    if (shapes is None) == (model is None):
+        _fail("give one of --shapes FILE and --model CONFIG")
     # The whole file is checked before the database is opened: a bad line
     # stores nothing.
     try:
-        entries = parse_shapes(shapes)
+        entries = parse_shapes(shapes) if model is None else parse_text(_model_shapes(model, model_m), model)
     except ShapeFileError as exc:
         _fail(str(exc))
     except OSError as exc:
         _fail(f"{shapes}: {exc.strerror or exc}")
+    shapes = shapes or Path(model)
     if only is not None:
         entries = [e for e in entries if fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             _fail(f"no key of {shapes} has a name matching {only!r}")
     if devices is not None:
+        if model is not None:
+            _fail("--devices tunes a shape file: write the model's with `tuner shapes --from-model` first")
         _tune_on_devices(devices, dict(
             shapes=str(resolve(shapes)), backend=backend, arch=arch, trials=trials, seconds=seconds,
             ladder=ladder, force=force, revalidate=revalidate, only=only, lease_ttl=lease_ttl, db=db,
@@ -305,25 +315,56 @@ def import_(
 
 @app.command("shapes")
 def shapes_(
-    from_config: Path = typer.Option(..., "--from-config", help="A Hugging Face style config.json."),
+    from_config: Optional[Path] = typer.Option(None, "--from-config", help="A Hugging Face style config.json."),
+    from_model: Optional[str] = typer.Option(
+        None, "--from-model", help="Every linear layer of a model: a config.json (built with transformers, "
+        "nothing downloaded), a shipped config's name (gemma-3-27b, llama-3.1-8b, qwen2.5-7b) or "
+        "package.module:attr (an nn.Module or a function returning one)."),
     m: str = typer.Option("1,16,128,512,2048,8192", help="Token counts M, comma-separated."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Shape file to write (default: stdout)."),
 ) -> None:
-    """Write a shape file with a model's QKV, O, gate+up and down GEMMs."""
+    """Write a shape file: a config's fused QKV, O, gate+up and down GEMMs
+    (--from-config), or every distinct linear layer of a model (--from-model)."""
     from tuner.shapes import ShapeFileError, write_shapes_from_config
 
-    try:
-        m_values = [int(v) for v in m.split(",")]
-    except ValueError:
-        _fail(f"--m must be comma-separated integers, got {m!r}")
-    try:
-        text = write_shapes_from_config(from_config, m_values, output)
-    except (OSError, ValueError, ShapeFileError) as exc:
-        _fail(f"{from_config}: {exc}")
+    if (from_config is None) == (from_model is None):
+        _fail("give one of --from-config CONFIG and --from-model MODEL")
+    if from_model is not None:
+        text = _model_shapes(from_model, m)
+        if output is not None:
+            try:
+                output.write_text(text)
+            except OSError as exc:
+                _fail(f"cannot write {output}: {exc.strerror or exc}")
+    else:
+        try:
+            text = write_shapes_from_config(from_config, _m_values(m), output)
+        except (OSError, ValueError, ShapeFileError) as exc:
+            _fail(f"{from_config}: {exc}")
     if output is None:
         print(text, end="")
     else:
         console.print(f"wrote {output}")
+
+
+def _m_values(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        _fail(f"--m must be comma-separated integers, got {text!r}")
+
+
+def _model_shapes(source: str, m: str) -> str:
+    """The shape file text of a model's linear layers, or a one-line error naming the source."""
+    from tuner.linears import ModelSourceError, shapes_from_model
+
+    m_values = _m_values(m)
+    try:
+        return shapes_from_model(source, m_values)
+    except ModelSourceError as exc:
+        _fail(str(exc))
+    except ValueError as exc:
+        _fail(f"{source}: {exc}")
 
 
 @app.command()

@@ -45,7 +45,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.space import DTYPES_IN, DTYPES_OUT, InvalidConfig
+from kernels.space import DTYPES_IN, DTYPES_OUT, MAX_DIM, InvalidConfig
 
 # Compute capability major -> pool arch.
 _ARCHS = {9: "sm90", 10: "sm100"}
@@ -150,6 +150,51 @@ def explain_key(key) -> Explanation:
     """What `gemm` runs for a `tuner.key.Key` on a device of that arch and
     name, under this process's software versions. Reads the store every time."""
     return _choose(key)[0]
+
+
+def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int
+                 ) -> tuple[tuple[tuple[int, int], ...], str | None]:
+    """Where `gemm(x, W.t())` may run a kernel for a contiguous (n, k) weight
+    W of `dtype` on that CUDA device: the M intervals (outside them it runs
+    cuBLAS, so a caller may call torch there directly), and why there are none
+    to be had (None when the family is tuned). Stale choices are left out
+    (gemm would not run them). With online tuning on, every M may be
+    measured, so the one span is every M. Reads the store every time."""
+    from tuner.key import Key, Problem
+    from tuner.lookup import kernel_spans as family_spans
+
+    din = _DTYPE_NAMES.get(dtype)
+    if din not in DTYPES_IN:
+        return (), f"dtype {dtype}: the pool takes one of {DTYPES_IN}"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    arch = _ARCHS.get(major)
+    if arch is None:
+        return (), f"compute capability {major}.{minor}: no kernel pool for it"
+    try:
+        problem = Problem(1, n, k, 1, din, din, "tn")
+    except InvalidConfig as exc:
+        return (), f"shape outside the pool's operand rules: {exc}"
+    if _online():
+        return ((1, MAX_DIM),), None
+    store = _store()
+    if store is None:
+        return (), f"no readable winners database at {_db_where()}"
+    key = Key(arch, torch.cuda.get_device_name(device_index), problem)
+    spans = family_spans(store, key, _versions(key.device))
+    if spans is None:
+        return (), "not tuned on this device (`tuner tune`)"
+    if not spans and family_spans(store, key):
+        return (), "its kernel choices were measured under other software versions: retune (`tuner tune`)"
+    return spans, None
+
+
+def launcher(a: torch.Tensor, b: torch.Tensor) -> Callable | None:
+    """The kernel launch `gemm(a, b)` takes for operands of this signature
+    (shapes, strides, dtypes, device), once a call has decided and built it;
+    None when such a call runs cuBLAS or has not run yet. `launch(a, b, None,
+    None)` skips every check but needs a and b 16-byte aligned: a caller that
+    keeps it (a patched layer per M) checks a's pointer itself."""
+    return _state.launchers.get(_signature(a, b, None, None))
 
 
 # ---------------------------------------------------------------- the call

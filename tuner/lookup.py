@@ -119,6 +119,26 @@ def family_of(key: Key) -> dict:
     return {f: fields[f] for f in FAMILY_FIELDS}
 
 
+def kernel_spans(store: Store, key: Key, versions: dict[str, str] | None = None) -> tuple[tuple[int, int], ...] | None:
+    """The M intervals of `key`'s family (its M aside) where `decide` may
+    choose a kernel, sorted; at every other M it chooses cuBLAS or nothing.
+    With `versions`, choices stale under them are left out (the caller runs
+    cuBLAS for those). None when nothing of the family is stored."""
+    family = family_of(key)
+    ranges = store.ranges(**family)
+    if ranges:
+        return tuple(sorted((r.m_lo, r.m_hi) for r in ranges
+                            if r.config is not None and not (versions and r.stale(versions))))
+    winners = store.winners(limit=100_000, **family)
+    if not winners:
+        return None
+    # A map-less family's winner serves M within its own span (the rule's step 2).
+    return tuple(sorted(
+        (math.ceil(w.key["m"] / OWN_SPAN), math.floor(w.key["m"] * OWN_SPAN)) for w in winners
+        if w.config is not None and not (versions and w.stale(versions))
+    ))
+
+
 def lookup(store: Store, key: Key) -> Decision | None:
     """The decision for `key` from the store (module doc), or None: cuBLAS."""
     family = family_of(key)

@@ -59,9 +59,14 @@ def resolve(path: str | Path) -> Path:
 def parse_shapes(path: str | Path) -> list[ShapeEntry]:
     """Every key of the shape file at `path`, in file order, duplicates dropped."""
     path = resolve(path)
+    return parse_text(_text(path), path)
+
+
+def parse_text(text: str, path: str | Path) -> list[ShapeEntry]:
+    """Every key of shape file text, errors naming `path` as its file."""
     entries: list[ShapeEntry] = []
     seen: set[Problem] = set()
-    for number, raw in enumerate(_text(path).splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         text = raw.split("#", 1)[0].strip()
         if not text:
             continue

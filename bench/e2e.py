@@ -1,0 +1,312 @@
+"""End to end: Hugging Face models with their linear layers as they are and
+patched (`tuner.patch`), eager and under torch.compile.
+
+    python -m bench.e2e --db DB [--tune gpu|model|none] [--tune-only] [--trials N]
+                        [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
+                        [--prefill 1x512,4x1024] [--decode 1,16] [--steps 16] [--prompt 128]
+                        [--rounds 20] [--modes eager,compiled] [--out bench/results]
+
+Each model is built by `transformers` from its shipped config
+(`tuner/data/models/`) truncated to `--layers` decoder layers, with random
+bf16 weights on the GPU (transformers' own init, seed 0; nothing is
+downloaded).
+
+1. Keys: a shape file of every distinct linear (N, K) of the models at the M
+   the runs below call (decoder layers: batch x seq of each prefill and the
+   batch of each decode; lm_head: the batches only, as the logits are those of
+   the last position) is tuned into DB with `tuner tune --backend B`, ladders
+   on (a rerun skips what is current). `--tune-only` stops there.
+2. Runs, per model: prefill at each batch x seq (one forward of the prompt,
+   no cache, logits of the last position; tokens/s = batch x seq / time) and
+   decode at each batch (`--steps` greedy one-token steps into a static KV
+   cache after a `--prompt`-token prefill that is not timed; tokens/s =
+   batch x steps / time), each unpatched and patched (one model:
+   `patch`/`unpatch` swap its layers' class), eager and under
+   `torch.compile(model)` (compiled anew for each case, so for its static
+   shapes; one graph per variant, guarded on the layers' class). Layers with
+   a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by default. The
+   two variants alternate, each round timing one prefill or one decode loop
+   on the host clock after a sync (the host's cost is part of what a user
+   waits for); the speedup is patched over unpatched tokens/s, a trimmed mean
+   of the rounds' paired log ratios (as `bench.dynamic_m`).
+3. Outputs: patched logits against unpatched ones (relative Frobenius error of
+   the prefill logits and of the first decode step's) and the share of
+   greedy decode tokens that agree.
+
+Writes `<out>/<device-slug>-e2e[-MODELS][-MODES].json` (`$OUT` instead of
+`--out` when set; the suffixes name a subset of models or modes, and the file
+is rewritten after every case, so a run cut short keeps what it measured):
+per model and case the tokens/s of each variant, the speedup, the errors,
+and how many linear calls of a forward may run a tuned kernel (their M inside
+their family's kernel intervals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from bench.dynamic_m import compile_choices
+from bench.kernels_sm90 import device_slug
+from bench.record import save
+from tuner import dispatch, patch, unpatch
+from tuner.linears import build_model, linear_shapes
+from tuner.measure import trimmed_mean
+
+MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
+DEVICE = "cuda"
+VARIANTS = ("unpatched", "patched")
+REL_ERR_LIMIT = 2e-2  # bf16 over a few layers, as the tuner's own gate
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in part.split("x")) for part in text.split(",")]
+
+
+def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], decode: list[int]) -> str:
+    """The shape file of the keys the runs call (module doc, step 1)."""
+    layer_ms = sorted({b * s for b, s in prefill} | set(decode))
+    head_ms = sorted({b for b, _ in prefill} | set(decode))
+    lines = []
+    for name in models:
+        for s in linear_shapes(build_model(name, num_layers=layers)):
+            ms = head_ms if s.names == ("lm_head",) else layer_ms
+            lines.append(f"{','.join(map(str, ms))} {s.n} {s.k} name={name}.{'+'.join(s.names)}")
+    return "\n".join(lines) + "\n"
+
+
+def tune(args: argparse.Namespace) -> None:
+    text = shape_file(args.models, args.layers, args.prefill, args.decode)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+    cmd = [sys.executable, "-m", "tuner.cli", "tune", "--shapes", f.name, "--backend", args.tune, "--db", args.db]
+    if args.trials:
+        cmd += ["--trials", str(args.trials)]
+    print(" ".join(cmd), file=sys.stderr)
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    print(f"tuned in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    os.unlink(f.name)
+
+
+def _set(model, variant: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bench_model records what patch says, once
+        (patch if variant == "patched" else unpatch)(model)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _paired(model, run, rounds: int, prepare=lambda: None) -> dict:
+    """Seconds of `run` per variant (`prepare` untimed before each), alternating
+    which goes first, and the speedup."""
+    times = {v: [] for v in VARIANTS}
+    for variant in VARIANTS:  # warm-up: compiles, decides and builds
+        _set(model, variant)
+        for _ in range(2):
+            prepare()
+            run()
+    for r in range(rounds):
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            _set(model, variant)
+            prepare()
+            times[variant].append(_timed(run))
+    logs = [math.log(u / p) for u, p in zip(times["unpatched"], times["patched"])]
+    return {"s": {v: trimmed_mean(t) for v, t in times.items()}, "speedup": math.exp(trimmed_mean(logs)),
+            "spread": statistics.pstdev(logs)}
+
+
+def _modes(model, modes: list[str]):
+    """(mode, callable) pairs; the compiled one starts from an empty dynamo cache,
+    so each case compiles for its own static shapes."""
+    if "eager" in modes:
+        yield "eager", model
+    if "compiled" in modes:
+        torch._dynamo.reset()
+        yield "compiled", torch.compile(model)
+
+
+def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: int) -> tuple[int, int]:
+    """(linear calls of one forward whose M lies in their family's kernel
+    intervals, all linear calls); `spans` holds the patched layers' intervals."""
+    hits = sum(any(lo <= (m_head if name.endswith("lm_head") else m_layers) <= hi for lo, hi in s)
+               for name, s in spans.items())
+    return hits, linears
+
+
+def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
+    """The model's cases; `checkpoint(record)` after each (a run cut short keeps what it measured)."""
+    torch.manual_seed(0)
+    model = build_model(name, num_layers=args.layers, device=DEVICE, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patch(model)
+    spans = {name: m.tuner_spans for name, m in model.named_modules() if hasattr(m, "tuner_spans")}
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    record = {"model": name, "layers": args.layers, "patch_warnings": [str(w.message) for w in caught],
+              "families": [{"n": s.n, "k": s.k, "names": list(s.names)} for s in linear_shapes(model)],
+              "kernel_spans": {name: [list(span) for span in s] for name, s in spans.items()},
+              "prefill": [], "decode": []}
+    print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in record['families']])} kernels",
+          file=sys.stderr)
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    with torch.inference_mode():
+        for batch, seq in args.prefill:
+            ids = torch.randint(0, vocab, (batch, seq), device=DEVICE, generator=gen)
+            case = {"batch": batch, "seq": seq, "kernel_calls": _kernel_calls(spans, linears, batch * seq, batch)}
+            unpatch(model)
+            want = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+            for mode, fn in _modes(model, args.modes):
+                run = lambda: fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
+                timing = _paired(model, run, args.rounds)
+                _set(model, "patched")
+                case[mode] = {
+                    "tokens_per_s": {v: batch * seq / s for v, s in timing["s"].items()},
+                    "speedup": timing["speedup"], "log_spread": timing["spread"],
+                    "rel_err": _rel_err(run(), want),
+                }
+            _report(name, f"prefill {batch}x{seq}", case)
+            record["prefill"].append(case)
+            checkpoint(record)
+        for batch in args.decode:
+            record["decode"].append(_decode_case(model, batch, vocab, gen, args))
+            record["decode"][-1]["kernel_calls"] = _kernel_calls(spans, linears, batch, batch)
+            _report(name, f"decode {batch}", record["decode"][-1])
+            checkpoint(record)
+    unpatch(model)
+    del model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return record
+
+
+def _decode_case(model, batch: int, vocab: int, gen, args) -> dict:
+    from transformers import StaticCache
+
+    prompt = torch.randint(0, vocab, (batch, args.prompt), device=DEVICE, generator=gen)
+    first = torch.randint(0, vocab, (batch, 1), device=DEVICE, generator=gen)
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.steps)
+    positions = [torch.tensor([args.prompt + i], device=DEVICE) for i in range(args.steps)]
+
+    def prefill():
+        """The prompt into an empty cache, eager, untimed."""
+        cache.reset()
+        model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(args.prompt, device=DEVICE),
+              logits_to_keep=1)
+
+    def loop(fn):
+        token, logits, tokens = first, None, []
+        for pos in positions:
+            step = fn(input_ids=token, past_key_values=cache, cache_position=pos).logits[:, -1]
+            logits = step if logits is None else logits  # the first step's: same inputs in every variant
+            token = step.argmax(-1, keepdim=True)
+            tokens.append(token)
+        return logits, torch.cat(tokens, 1)
+
+    unpatch(model)
+    prefill()
+    want_logits, want_tokens = loop(model)
+    case = {"batch": batch, "prompt": args.prompt, "steps": args.steps}
+    for mode, fn in _modes(model, args.modes):
+        timing = _paired(model, lambda: loop(fn), args.rounds, prefill)
+        _set(model, "patched")
+        prefill()
+        logits, tokens = loop(fn)
+        case[mode] = {
+            "tokens_per_s": {v: batch * args.steps / s for v, s in timing["s"].items()},
+            "speedup": timing["speedup"], "log_spread": timing["spread"],
+            "rel_err": _rel_err(logits, want_logits),
+            "token_agreement": (tokens == want_tokens).float().mean().item(),
+        }
+    return case
+
+
+def _report(name: str, label: str, case: dict) -> None:
+    parts = [f"{name:12s} {label:16s} kernels {case['kernel_calls'][0]:3d}/{case['kernel_calls'][1]:<3d}"]
+    for mode in ("eager", "compiled"):
+        if mode in case:
+            c = case[mode]
+            parts.append(f"{mode} {c['tokens_per_s']['unpatched']:9.0f} -> {c['tokens_per_s']['patched']:9.0f} tok/s"
+                         f" x{c['speedup']:.3f} err {c['rel_err']:.1e}")
+    print(" | ".join(parts), file=sys.stderr)
+
+
+def run(args: argparse.Namespace, checkpoint) -> dict:
+    torch._dynamo.config.recompile_limit = 64  # a graph per variant, and per step count where an int is specialized
+    dispatch.configure(args.db)
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "db": os.path.basename(args.db),
+              "rounds": args.rounds, "rel_err_limit": REL_ERR_LIMIT, "models": []}
+    import transformers
+
+    record["transformers"] = transformers.__version__
+    for name in args.models:
+        record["models"].append({})
+        bench_model(name, args, lambda model: (record["models"].__setitem__(-1, model), checkpoint(record)))
+    cases = [c[mode] for m in record["models"] for kind in ("prefill", "decode") for c in m[kind]
+             for mode in ("eager", "compiled") if mode in c]
+    record["summary"] = {
+        "cases": len(cases), "min_speedup": min(c["speedup"] for c in cases),
+        "geomean_speedup": math.exp(statistics.fmean(math.log(c["speedup"]) for c in cases)),
+        "max_rel_err": max(c["rel_err"] for c in cases),
+        "outputs_within_limit": all(c["rel_err"] <= REL_ERR_LIMIT for c in cases),
+    }
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--tune", choices=("gpu", "model", "none"), default="gpu")
+    parser.add_argument("--tune-only", action="store_true")
+    parser.add_argument("--trials", type=int, default=None, help="Trials per listed key (tune's default if unset).")
+    parser.add_argument("--models", type=lambda t: t.split(","), default=list(MODELS))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--prefill", type=_pairs, default=_pairs("1x512,4x1024"), help="batch x seq, comma-separated.")
+    parser.add_argument("--decode", type=lambda t: [int(v) for v in t.split(",")], default=[1, 16])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--modes", type=lambda t: t.split(","), default=["eager", "compiled"],
+                        help="eager, compiled or both (comma-separated).")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    if args.tune != "none":
+        tune(args)
+    if args.tune_only:
+        return
+    # A run over some of the models or modes (split runs fit the GPU
+    # machine's time limit per command) names them.
+    which = "" if args.models == list(MODELS) else "-" + "+".join(os.path.basename(m).removesuffix(".json")
+                                                                for m in args.models)
+    which += "" if sorted(args.modes) == ["compiled", "eager"] else "-" + "+".join(args.modes)
+    path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))
+    save(record, str(path.parent), path.stem)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Shape files from a model's linear layers (`tuner shapes --from-model`,
+`tuner tune --model`): models built from configs by transformers on the meta
+device, or named as package.module:attr."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from tuner.linears import ModelSourceError, build_model, linear_shapes, shapes_from_model, shipped_models
+from tuner.shapes import parse_shapes, parse_text
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small Qwen2 (biased q/k/v, separate gate and up): fast to build and to tune.
+SMALL = {"_name_or_path": "small qwen", "model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1024,
+         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 2048}
+
+
+def small_model():
+    """A module:attr source: a callable returning an nn.Module."""
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Linear(256, 1024))
+
+
+def _cli(*args):
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env)
+
+
+def test_shipped_configs_give_every_distinct_linear_as_the_model_runs_it():
+    assert shipped_models() == ["gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b"]
+    want = {
+        # q, k/v (one shape), o, gate/up (one shape), down, lm_head: unfused, as transformers runs them
+        "gemma-3-27b": {(4096, 5376), (2048, 5376), (5376, 4096), (21504, 5376), (5376, 21504), (262208, 5376)},
+        "llama-3.1-8b": {(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)},
+        "qwen2.5-7b": {(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584)},
+    }
+    for name, shapes in want.items():
+        entries = parse_text(shapes_from_model(name, [1, 64]), name)
+        assert {(e.problem.n, e.problem.k) for e in entries} == shapes
+        assert {e.problem.m for e in entries} == {1, 64}
+        assert all(e.problem.dtype_in == "bf16" and e.problem.layout == "tn" for e in entries)
+    names = {e.name for e in parse_text(shapes_from_model("llama-3.1-8b", [1]), "-")}
+    assert names == {"llama-3.1-8b.q_proj+o_proj", "llama-3.1-8b.k_proj+v_proj", "llama-3.1-8b.gate_proj+up_proj",
+                     "llama-3.1-8b.down_proj", "llama-3.1-8b.lm_head"}
+
+
+def test_a_config_builds_on_the_meta_device_and_truncates():
+    model = build_model("gemma-3-27b", num_layers=2)
+    assert len(model.model.layers) == 2
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_shapes_from_model_cli_writes_a_shape_file_from_a_config_or_a_module(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL))
+    out = tmp_path / "small.txt"
+    proc = _cli("shapes", "--from-model", str(config), "--m", "1,16", "-o", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entries = parse_shapes(out)
+    assert {(e.problem.n, e.problem.k) for e in entries} == {(512, 512), (128, 512), (1024, 512), (512, 1024),
+                                                            (2048, 512)}
+    assert len(entries) == 10 and entries[0].name == "small_qwen.q_proj+o_proj"
+    proc = _cli("shapes", "--from-model", "tests.test_linears:small_model", "--m", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line for line in proc.stdout.splitlines() if not line.startswith("#")] == [
+        "8 1024 256 dtype=bf16 name=small_model.0+3", "8 256 1024 dtype=bf16 name=small_model.2"]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("missing/config.json", "missing/config.json: no such config file, shipped model config (gemma-3-27b, "),
+    ("tests.test_linears:nothing", "tests.test_linears:nothing: module 'tests.test_linears' has no attribute"),
+    ("tests.test_linears:SMALL", "tests.test_linears:SMALL: is dict, not an nn.Module"),
+])
+def test_a_bad_model_source_is_a_one_line_error_naming_it(source, message):
+    proc = _cli("shapes", "--from-model", source)
+    assert proc.returncode == 2
+    assert message in proc.stdout and len(proc.stdout.strip().splitlines()) == 1, proc.stdout
+
+
+def test_a_config_transformers_cannot_build_names_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(ModelSourceError, match=rf"{bad}: model_type 'no-such-model' is not one transformers"):
+        shapes_from_model(bad, [1])
+    bad.write_text("{not json")
+    with pytest.raises(ModelSourceError, match=rf"{bad}: not JSON"):
+        shapes_from_model(bad, [1])
+    proc = _cli("shapes", "--from-model", "llama-3.1-8b", "--from-config", str(bad))
+    assert proc.returncode == 2 and "give one of --from-config" in proc.stdout
+
+
+def test_linear_shapes_dedupe_and_keep_module_order():
+    shapes = linear_shapes(small_model())
+    assert [(s.n, s.k, s.names) for s in shapes] == [(1024, 256, ("0", "3")), (256, 1024, ("2",))]
+
+
+def test_tune_model_tunes_every_linear_shape_in_one_step(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL))
+    db = tmp_path / "t.db"
+    proc = _cli("tune", "--model", str(config), "--m", "16", "--no-ladder", "--trials", "2", "--backend", "model",
+                "--db", str(db))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _cli("show", "--json", "--db", str(db))
+    winners = json.loads(proc.stdout)
+    assert {(w["key"]["m"], w["key"]["n"], w["key"]["k"]) for w in winners} == {
+        (16, 512, 512), (16, 128, 512), (16, 1024, 512), (16, 512, 1024), (16, 2048, 512)}
+    assert _cli("tune", "--db", str(db)).returncode == 2
+
+
+def test_the_e2e_bench_tunes_the_m_its_runs_call():
+    from bench.e2e import shape_file
+
+    entries = parse_text(shape_file(["llama-3.1-8b"], 2, [(1, 512), (4, 256)], [1, 16]), "e2e")
+    ms = {}
+    for e in entries:
+        ms.setdefault(e.name, set()).add(e.problem.m)
+    assert ms["llama-3.1-8b.lm_head"] == {1, 4, 16}  # the last position's logits: one row per sequence
+    assert ms["llama-3.1-8b.down_proj"] == {1, 16, 512, 1024}

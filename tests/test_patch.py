@@ -1,0 +1,321 @@
+"""`tuner.patch(model)`: a model's linear layers through the tuned dispatch."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from db.store import Store
+from kernels import space
+from tuner import dispatch, patch, patched, unpatch
+from tuner._gpu_worker import versions
+from tuner.key import Key, Problem
+from tuner.lookup import kernel_spans
+
+patch_module = importlib.import_module("tuner.patch")
+TunedLinear, PatchWarning = patch_module.TunedLinear, patch_module.PatchWarning
+
+
+class _OwnLinear(nn.Linear):
+    """A subclass with its own forward: patch must leave it alone."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _net(device="cpu", dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 32, bias=False), _OwnLinear(32, 32),
+    ).to(device, dtype)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Patch layers of CPU weights as if they were CUDA ones, with the kernel
+    spans given, and count the calls that reach `gemm`."""
+    calls = []
+    spans = {}
+
+    def gemm(a, b, out=None, *, offs=None):
+        calls.append((a.shape[0], b.shape[1]))
+        return torch.mm(a, b)
+
+    monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: (spans.get((n, k), ()), None))
+    monkeypatch.setattr(dispatch, "gemm", gemm)
+    return calls, spans
+
+
+# ---------------------------------------------------------------- CPU
+
+
+def test_a_model_without_cuda_tensors_is_left_as_it_is_with_a_warning():
+    net = _net()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    want = net(x)
+    with pytest.warns(PatchWarning, match=r"no nn.Linear .* bf16/fp16 CUDA weight \(bfloat16 on cpu\)"):
+        assert patch(net) is net
+    assert [type(m) for m in net] == [nn.Linear, nn.LayerNorm, nn.Linear, _OwnLinear]
+    assert torch.equal(net(x), want)
+    with pytest.warns(PatchWarning, match="it has no nn.Linear"):
+        patch(nn.Sequential(nn.ReLU()))
+
+
+def test_patch_swaps_only_plain_linears_and_unpatch_restores_them(spy):
+    _, spans = spy
+    spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),), (32, 32): ((1, 8),)})
+    net = _net()
+    params = {name: p for name, p in net.named_parameters()}
+    seen = []
+    net[0].register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    patch(net, bias=True)
+    assert [type(m) for m in net] == [TunedLinear, nn.LayerNorm, TunedLinear, _OwnLinear]
+    assert isinstance(net[0], nn.Linear)
+    # Same parameters (the very tensors), same state dict names, hooks kept.
+    assert all(p is params[name] for name, p in net.named_parameters())
+    net(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert seen == [torch.Size([3, 128])]
+    unpatch(net)
+    assert [type(m) for m in net] == [nn.Linear, nn.LayerNorm, nn.Linear, _OwnLinear]
+    assert not hasattr(net[0], "tuner_spans") and "tuner_spans" not in net[0].__dict__
+
+
+def test_only_m_inside_the_kernel_spans_goes_to_gemm_and_outputs_match(spy):
+    calls, spans = spy
+    net = _net()
+    spans[(128, 64)] = ((2, 8), (100, 200))
+    x = torch.randn(5, 3, 64, dtype=torch.bfloat16)  # M = 15: outside
+    want = net(x)
+    with torch.no_grad(), patched(net, bias=True):
+        assert torch.equal(net(x), want) and calls == []
+        x2 = x[:2, :2].contiguous()  # M = 4: inside, with a bias to add after
+        got = net(x2)
+    assert calls == [(4, 128)]
+    assert got.shape == (2, 2, 32)
+    torch.testing.assert_close(got, net(x2), rtol=2e-2, atol=2e-2)
+    assert type(net[0]) is nn.Linear  # the context restored it
+
+
+def test_autograd_and_other_input_dtypes_run_f_linear(spy):
+    calls, spans = spy
+    net = _net()
+    spans[(128, 64)] = ((1, 1 << 20),)
+    patch(net, bias=True)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    net(x).float().sum().backward()  # grad enabled and weights that need it: F.linear
+    assert calls == [] and net[0].weight.grad is not None
+    with torch.no_grad():
+        net(x)
+    assert calls == [(4, 128)]
+
+
+def test_layers_with_a_bias_are_left_to_cublas_unless_asked(spy):
+    calls, spans = spy
+    spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),)})
+    net = _net()
+    patch(net)
+    assert [type(m) for m in net][:3] == [nn.Linear, nn.LayerNorm, TunedLinear]  # net[0] has a bias
+    patch(net, bias=True)
+    assert type(net[0]) is TunedLinear
+    patch(net)  # and a later patch without it gives it back to cuBLAS
+    assert type(net[0]) is nn.Linear
+
+
+def test_a_layer_without_kernel_spans_stays_a_plain_linear(spy):
+    _, spans = spy
+    net = _net()
+    spans[(128, 64)] = ((1, 8),)
+    patch(net, bias=True)
+    assert [type(m) for m in net][:3] == [TunedLinear, nn.LayerNorm, nn.Linear]
+    spans.clear()  # retuned: cuBLAS everywhere; patching again reads that
+    patch(net, bias=True)
+    assert type(net[0]) is nn.Linear and "tuner_spans" not in net[0].__dict__
+
+
+def test_a_kernel_launch_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypatch):
+    calls, spans = spy
+    launched = []
+
+    def launch(a, b, out, offs):
+        launched.append(a.shape[0])
+        return torch.mm(a, b)
+
+    monkeypatch.setattr(dispatch, "launcher", lambda a, b: launch if a.shape[0] == 4 else None)
+    net = _net()
+    spans[(128, 64)] = ((1, 8),)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), patched(net, bias=True):
+        first = net(x)  # gemm decides; the layer keeps the launch
+        again = net(x)
+        net(torch.randn(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64))  # 2-byte offset: not aligned
+        net(torch.randn(3, 64, dtype=torch.bfloat16))  # another M: no launch kept for it
+        assert net[0].tuner_launchers == {4: launch}
+    assert calls == [(4, 128), (4, 128), (3, 128)] and launched == [4]
+    assert torch.equal(first, again)
+
+
+def test_patched_context_unpatches_when_the_block_raises(spy):
+    _, spans = spy
+    spans[(128, 64)] = ((1, 8),)
+    net = _net()
+    with pytest.raises(RuntimeError), patched(net, bias=True):
+        assert type(net[0]) is TunedLinear
+        raise RuntimeError("boom")
+    assert type(net[0]) is nn.Linear
+
+
+def test_untuned_shapes_are_named_in_one_warning(monkeypatch):
+    monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((), "not tuned on this device"))
+    match = r"2 of 2 linear shapes .* not tuned on this device: 128x64 bf16, 32x128 bf16"
+    with pytest.warns(PatchWarning, match=match):
+        patch(_net(), bias=True)
+
+
+def test_kernel_spans_from_a_real_store(tmp_path):
+    store = Store(str(tmp_path / "w.db"))
+    cfg = space.defaults("sm90")["static_persistent"]
+    key = lambda m, n=512: Key("sm90", "TestGPU", Problem(m, n, 1024))  # noqa: E731
+    assert kernel_spans(store, key(1)) is None  # nothing stored
+    env = store.environment("gpu", "sm90", "TestGPU", versions("TestGPU"))
+    for m, c in ((16, None), (256, cfg)):
+        store.set_winner(store.key_id(key(m).to_dict()), env, config_name=c.name() if c else "cublas",
+                         scheduler=c.scheduler if c else "cublas", config=c.to_dict() if c else None,
+                         ms=1.0, baseline_ms=1.1, best_by_scheduler={}, trials=1)
+    # A map-less family: the kernel winner's own span [256 / sqrt 2, 256 * sqrt 2].
+    assert kernel_spans(store, key(1)) == ((182, 362),)
+    point = {"m": 64, "ms": {"cublas": 1.1, cfg.name(): 1.0}}
+    ranges = [
+        dict(m_lo=1, m_hi=63, config_name="cublas", scheduler="cublas", config=None, evidence=[point]),
+        dict(m_lo=64, m_hi=300, config_name=cfg.name(), scheduler=cfg.scheduler, config=cfg.to_dict(),
+             evidence=[point]),
+        dict(m_lo=301, m_hi=4096, config_name="cublas", scheduler="cublas", config=None, evidence=[point]),
+    ]
+    from tuner.lookup import family_of
+
+    store.set_ranges(family_of(key(1)), env, ranges)
+    assert kernel_spans(store, key(1)) == ((64, 300),)  # a map: its kernel intervals only
+    assert kernel_spans(store, key(1), versions("TestGPU")) == ((64, 300),)
+    assert kernel_spans(store, key(1), {**versions("TestGPU"), "torch": "0.0"}) == ()  # stale: left out
+    assert kernel_spans(store, key(1, n=1024)) is None
+    store.close()
+
+
+# ---------------------------------------------------------------- GPU
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=512)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """A two-layer Llama in bf16 on the GPU, and a database whose map runs the
+    pool's default static kernel for every linear shape of it at every M."""
+    transformers = pytest.importorskip("transformers")
+    arch = {9: "sm90", 10: "sm100"}[torch.cuda.get_device_capability()[0]]
+    device = torch.cuda.get_device_name()
+    cfg = space.defaults(arch)["static_persistent"]
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", **TINY)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    from tuner.linears import linear_shapes
+    from tuner.lookup import family_of
+
+    store = Store(str(tmp_path / "w.db"))
+    env = store.environment("gpu", arch, device, versions(device))
+    point = {"m": 1, "ms": {"cublas": 1.1, cfg.name(): 1.0}}
+    for s in linear_shapes(model):
+        store.set_ranges(family_of(Key(arch, device, Problem(1, s.n, s.k))), env, [dict(
+            m_lo=1, m_hi=1 << 16, config_name=cfg.name(), scheduler=cfg.scheduler, config=cfg.to_dict(),
+            evidence=[point])])
+    store.close()
+    dispatch.configure(str(tmp_path / "w.db"))
+    yield model
+    dispatch.configure(None)
+
+
+def _rel_err(got, want):
+    return (torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float())).item()
+
+
+def _strict():
+    """Any fallback to cuBLAS, or a patch finding nothing tuned, fails the test."""
+    warnings.simplefilter("error", dispatch.FallbackWarning)
+    warnings.simplefilter("error", PatchWarning)
+
+
+@pytest.mark.gpu
+def test_patched_model_matches_unpatched_and_runs_the_kernels(tiny):
+    ids = torch.randint(0, TINY["vocab_size"], (2, 64), device="cuda")
+    with torch.inference_mode():
+        want = tiny(ids).logits
+        with warnings.catch_warnings(), patched(tiny):
+            _strict()
+            assert all(type(m) is TunedLinear and m.tuner_spans == ((1, 1 << 16),)
+                       for m in tiny.modules() if isinstance(m, nn.Linear))
+            got = tiny(ids).logits
+            # Every layer kept its kernel launch for M = 128; the next forward takes them.
+            assert all(m.tuner_launchers for m in tiny.model.layers.modules() if type(m) is TunedLinear)
+            assert torch.equal(tiny(ids).logits, got)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    assert dispatch.explain(x, tiny.model.layers[0].self_attn.q_proj.weight.t()).path == "kernel"
+    assert _rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_of_a_patched_decoder_layer(tiny):
+    layer = tiny.model.layers[0]
+    h = torch.randn(2, 32, TINY["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(32, device="cuda")[None].expand(2, -1)
+    with torch.inference_mode():
+        pe = tiny.model.rotary_emb(h, pos)
+        want = layer(h, position_embeddings=pe, attention_mask=None)
+        with warnings.catch_warnings(), patched(tiny):
+            _strict()
+            got = torch.compile(layer, fullgraph=True)(h, position_embeddings=pe, attention_mask=None)
+    want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
+    assert _rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_a_patched_decode_step(tiny):
+    from transformers import StaticCache
+
+    batch, prompt = 4, 16
+    ids = torch.randint(0, TINY["vocab_size"], (batch, prompt), device="cuda")
+    token = torch.randint(0, TINY["vocab_size"], (batch, 1), device="cuda")
+    position = torch.tensor([prompt], device="cuda")
+    cache = StaticCache(config=tiny.config, max_cache_len=prompt + 1)
+
+    def prefill():
+        cache.reset()  # in place: the captured step keeps pointing at the same cache tensors
+        tiny(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"))
+
+    def replayed_step():
+        """One decode step captured in a CUDA graph (after a warm-up) and replayed on the prompt's cache."""
+        step = lambda: tiny(input_ids=token, past_key_values=cache, cache_position=position).logits  # noqa: E731
+        prefill()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up: every key decided and built before capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+        prefill()
+        graph.replay()
+        torch.cuda.synchronize()
+        return logits.clone()
+
+    with torch.inference_mode():
+        want = replayed_step()
+        with warnings.catch_warnings(), patched(tiny):
+            _strict()
+            got = replayed_step()
+            assert all(m.tuner_launchers for m in tiny.model.layers.modules() if type(m) is TunedLinear)
+    assert _rel_err(got, want) < 2e-2

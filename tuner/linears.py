@@ -1,0 +1,179 @@
+"""A model's linear layers as GEMM keys: shape files from a model.
+
+A model source is one of
+
+- a Hugging Face style `config.json` (a path), or the name of one shipped in
+  `tuner/data/models/` (`gemma-3-27b` text, `llama-3.1-8b`, `qwen2.5-7b`):
+  `transformers` (a dev extra, not a runtime dependency) builds the causal
+  LM from it on the meta device, so no weight is allocated and nothing is
+  downloaded;
+- `package.module:attr`: an `nn.Module`, or a callable returning one.
+
+Every `nn.Linear` of the model (subclasses included) is one GEMM y = x @ W.T
+with (N, K) = (out_features, in_features): the projections as the model
+really runs them (a Hugging Face Llama runs q, k and v as three GEMMs, where
+`shapes --from-config` states the fused QKV a serving engine runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuner.shapes import DATA_DIR
+
+MODELS_DIR = DATA_DIR / "models"
+_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be read or built; the message names it."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One distinct (N, K) of a model's linear layers and the layers (leaf names) that run it."""
+
+    n: int
+    k: int
+    names: tuple[str, ...]
+
+
+def shipped_models() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+def config_path(source: str | Path) -> Path | None:
+    """The config file `source` names (a path, or a shipped config's name), or None
+    for a `module:attr` source."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    shipped = MODELS_DIR / f"{path.name.removesuffix('.json')}.json"
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    if ":" in str(source) and path.suffix != ".json":
+        return None
+    raise ModelSourceError(
+        f"{source}: no such config file, shipped model config ({', '.join(shipped_models())}) "
+        "or package.module:attr")
+
+
+def load_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise ModelSourceError(f"{path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ModelSourceError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelSourceError(f"{path}: expected a config object with a 'model_type'")
+    return config
+
+
+def model_name(source: str | Path) -> str:
+    """The name shape-file keys take: the config's `_name_or_path`, else the source's stem."""
+    path = config_path(source)
+    if path is None:
+        return str(source).rpartition(":")[2]
+    return str(load_config(path).get("_name_or_path") or path.stem).replace(" ", "_")
+
+
+def build_model(source: str | Path, *, num_layers: int | None = None, device="meta", dtype=None):
+    """The model of `source` (module doc); a config-built one gets `num_layers`
+    decoder layers when given, its weights on `device` (random unless meta) in
+    `dtype` (default: the config's)."""
+    import torch
+
+    path = config_path(source)
+    if path is None:
+        return _import_module(str(source))
+    config = load_config(path)
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ModelSourceError(f"{path}: building a model from a config needs `transformers` "
+                               "(pip install 'gemm-tuner[dev]')") from None
+    from transformers import CONFIG_MAPPING, __version__
+
+    fields = {k: v for k, v in config.items() if not k.startswith("_")}
+    model_type = fields.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelSourceError(f"{path}: model_type {model_type!r} is not one transformers {__version__} knows")
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    try:
+        hf_config = AutoConfig.for_model(model_type, **fields)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype or _torch_dtype(config))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelSourceError(f"{path}: transformers cannot build it: {exc}") from None
+    return model.eval()
+
+
+def linear_shapes(model) -> list[LinearShape]:
+    """The distinct (N, K) of the model's linear layers, in module order."""
+    from torch import nn
+
+    found: dict[tuple[int, int], list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            names = found.setdefault((module.out_features, module.in_features), [])
+            leaf = name.rpartition(".")[2] or "linear"
+            if leaf not in names:
+                names.append(leaf)
+    return [LinearShape(n, k, tuple(names)) for (n, k), names in found.items()]
+
+
+def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
+    """The shape file text of every distinct linear (N, K) of the model of `source`."""
+    if not m_values or any(m < 1 for m in m_values):
+        raise ValueError("M values must be positive integers")
+    name = model_name(source)
+    model = build_model(source)
+    path = config_path(source)
+    dtype = _DTYPES.get(_dtype_name(load_config(path)) if path else _module_dtype(model), "bf16")
+    shapes = linear_shapes(model)
+    if not shapes:
+        raise ModelSourceError(f"{source}: the model has no nn.Linear layer")
+    ms = ",".join(map(str, m_values))
+    lines = [f"# {name}: the {len(shapes)} distinct linear-layer shapes (N K) of the model as built "
+             f"from {Path(path).name if path else source}"]
+    lines += [f"{ms} {s.n} {s.k} dtype={dtype} name={name}.{'+'.join(s.names)}" for s in shapes]
+    return "\n".join(lines) + "\n"
+
+
+def _import_module(source: str):
+    from torch import nn
+
+    module_name, _, attr = source.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSourceError(f"{source}: {exc}") from None
+    if callable(obj) and not isinstance(obj, nn.Module):
+        try:
+            obj = obj()
+        except Exception as exc:  # the user's factory: whatever it raises is reported, naming it
+            raise ModelSourceError(f"{source}: calling it failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, nn.Module):
+        raise ModelSourceError(f"{source}: is {type(obj).__name__}, not an nn.Module or a callable returning one")
+    return obj
+
+
+def _dtype_name(config: dict) -> str:
+    text = config.get("text_config") or {}
+    return str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "bfloat16")
+
+
+def _torch_dtype(config: dict):
+    import torch
+
+    return torch.float16 if _dtype_name(config) == "float16" else torch.bfloat16
+
+
+def _module_dtype(model) -> str:
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    return str(params[0].dtype).removeprefix("torch.") if params else "bfloat16"

@@ -1,0 +1,172 @@
+"""Run a model's linear layers through the tuned dispatch: `patch(model)`.
+
+    import tuner
+    tuner.patch(model)          # bf16/fp16 CUDA nn.Linear layers: tuned kernels where they won
+    with tuner.patched(model):  # ... or only inside the block
+        model(...)
+
+Every module of exact type `nn.Linear` whose weight is a bf16 or fp16 CUDA
+tensor goes through the dispatch's rule. The database is read once, at patch
+time: for each distinct (N, K, dtype, device) the M intervals where `gemm`
+may run a kernel (`dispatch.kernel_spans`). A layer whose family has such
+intervals becomes a `TunedLinear` (its class is swapped: parameters, hooks,
+state dict and `isinstance(m, nn.Linear)` stay as they were); one without
+any stays an `nn.Linear`, since `gemm` would run cuBLAS for it at every M:
+that costs nothing per call. `unpatch` swaps the class back. Other modules,
+and subclasses of `nn.Linear` that bring their own forward, are left alone.
+So are layers with a bias unless `patch(model, bias=True)`: `F.linear` adds
+the bias in cuBLAS's epilogue, while the pool's kernels would need a second
+kernel for it, and the maps measured the product alone.
+
+A `TunedLinear` call whose M (rows of the flattened input) lies outside its
+intervals runs `F.linear` directly, as the unpatched layer does, after a
+tuple test; inside them it goes to `gemm` (which still falls back to cuBLAS
+where it must) and the bias is added after. Once `gemm` has chosen a kernel
+for an M, the layer keeps its launch and calls it directly, skipping every
+check but the input's alignment (a decode step is launch-bound). Under
+`torch.compile` the test is on M at trace time (a guard when M is dynamic),
+so a layer's graph holds either the plain `linear` or the `gemm_tuner::gemm`
+op, not both; CUDA graph capture works once each key has been called before
+capturing. Patch again after retuning or `dispatch.configure` to read the
+new choices.
+
+Calls that need autograd (grad enabled and a weight that requires grad) and
+inputs of another dtype than the weight (autocast) run `F.linear`: `gemm` is
+forward only and takes one input dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tuner import dispatch
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
+
+
+class PatchWarning(UserWarning):
+    """`patch` found nothing to patch, or shapes with nothing tuned: they run cuBLAS."""
+
+
+class TunedLinear(nn.Linear):
+    """An `nn.Linear` whose forward runs `gemm` at the M where a kernel may win."""
+
+    # M intervals where `gemm` may run a kernel, from the database at patch time.
+    tuner_spans: tuple[tuple[int, int], ...] = ()
+    # M -> the kernel launch `gemm` chose for this weight, kept after the first
+    # eager call: a repeat call then skips gemm's checks but a's alignment.
+    tuner_launchers: dict
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        m = input.numel() // self.in_features
+        for lo, hi in self.tuner_spans:
+            if lo <= m <= hi:
+                return self._tuned(input)
+        return F.linear(input, self.weight, self.bias)
+
+    def _tuned(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype != self.weight.dtype or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(input, self.weight, self.bias)
+        x, wt = input.reshape(-1, self.in_features), self.weight.t()
+        if torch.compiler.is_compiling():
+            y = dispatch.gemm(x, wt)
+        else:
+            launch = self.tuner_launchers.get(x.shape[0])
+            if launch is not None and x.is_contiguous() and not x.data_ptr() % _ALIGN:
+                y = launch(x, wt, None, None)
+            else:
+                y = dispatch.gemm(x, wt)
+                launch = dispatch.launcher(x, wt)
+                if launch is not None and x.is_contiguous():
+                    self.tuner_launchers[x.shape[0]] = launch
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*input.shape[:-1], self.out_features)
+
+
+def patch(model: nn.Module, *, bias: bool = False) -> nn.Module:
+    """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
+    dispatch (module doc); returns `model`. `bias`: layers with a bias too
+    (added after the product). Patching a patched model reads the database
+    again. Warns (`PatchWarning`) when no layer qualifies, and names the
+    shapes nothing is tuned for."""
+    layers, biased = [], False
+    for m in model.modules():
+        if _eligible(m) and (bias or m.bias is None):
+            layers.append(m)
+        elif _eligible(m):
+            _restore(m)  # patched before with bias=True
+            biased = True
+    if not layers and biased:
+        return model  # every CUDA layer has a bias: left to cuBLAS's fused epilogue, as asked
+    if not layers:
+        kinds = sorted({_describe(m.weight) for m in model.modules() if type(m) in (nn.Linear, TunedLinear)})
+        warnings.warn(
+            "tuner.patch: no nn.Linear of this model has a bf16/fp16 CUDA weight "
+            f"({', '.join(kinds) or 'it has no nn.Linear'}): the model is left as it is; "
+            "move it to the GPU in bf16 or fp16 first", PatchWarning, stacklevel=2)
+        return model
+    found: dict[tuple, tuple] = {}
+    for layer in layers:
+        w = layer.weight
+        key = (w.device.index, w.dtype, layer.out_features, layer.in_features)
+        if key not in found:
+            found[key] = dispatch.kernel_spans(*key)
+        spans = found[key][0]
+        if spans:
+            layer.__class__ = TunedLinear
+            layer.tuner_spans, layer.tuner_launchers = spans, {}
+        else:
+            _restore(layer)
+    untuned = {}
+    for (_, dtype, n, k), (_, why) in found.items():
+        if why is not None:
+            untuned.setdefault(why, []).append(f"{n}x{k} {_DTYPE_NAME[dtype]}")
+    for why, shapes in untuned.items():
+        warnings.warn(f"tuner.patch: {len(shapes)} of {len(found)} linear shapes (N x K) run cuBLAS: {why}: "
+                      f"{', '.join(shapes)}", PatchWarning, stacklevel=2)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo `patch`: every `TunedLinear` of `model` is an `nn.Linear` again."""
+    for layer in model.modules():
+        _restore(layer)
+    return model
+
+
+def _restore(layer: nn.Module) -> None:
+    if type(layer) is TunedLinear:
+        layer.__class__ = nn.Linear
+        del layer.tuner_spans, layer.tuner_launchers
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, *, bias: bool = False) -> Iterator[nn.Module]:
+    """`patch(model, bias=bias)` for the block, `unpatch(model)` after it."""
+    patch(model, bias=bias)
+    try:
+        yield model
+    finally:
+        unpatch(model)
+
+
+_DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _eligible(module: nn.Module) -> bool:
+    if type(module) not in (nn.Linear, TunedLinear):
+        return False
+    w = module.weight
+    return w.is_cuda and w.dtype in _DTYPES and w.dim() == 2 and w.is_contiguous()
+
+
+def _describe(w: torch.Tensor) -> str:
+    return f"{str(w.dtype).removeprefix('torch.')} on {w.device.type}"
