@@ -338,6 +338,58 @@ def calibrate(
     console.print(f"wrote {path}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def trace(
+    key: str = typer.Option(..., "--key", help="The key as a shape file line, e.g. '2048 4096 4096 held=16'."),
+    config: Optional[str] = typer.Option(None, "--config", help="Name of the config to trace."),
+    winner: bool = typer.Option(False, "--winner", help="Trace the key's stored winner instead."),
+    arch: str = typer.Option("sm90", help="Target architecture (traced builds: sm90)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory for trace.json and the PNGs."),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Run one traced launch (GPU): per-SM timeline, tiles per SM, SM idle time."""
+    from kernels.space import GemmConfig, InvalidConfig
+    from tuner.shapes import parse_key
+
+    if (config is None) == (not winner):
+        _fail("give exactly one of --config NAME and --winner")
+    try:
+        problem = parse_key(key).problem
+    except ValueError as exc:
+        _fail(f"--key: {exc}")
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail("tracing runs a kernel: no CUDA device here")
+    k = Key(arch, torch.cuda.get_device_name(), problem)
+    if winner:
+        store = _open(db, writer=False)
+        found = store.winner(k.to_dict())
+        store.close()
+        if found is None or found.config is None:
+            _fail(f"no kernel winner stored for {problem.label()} on {k.device}")
+        cfg = GemmConfig.from_dict(found.config)
+    else:
+        try:
+            cfg = GemmConfig.from_name(config)
+        except InvalidConfig as exc:
+            _fail(f"--config: {exc}")
+    from tuner.trace import run, summarise, write
+
+    try:
+        result = run(k, cfg)
+    except InvalidConfig as exc:
+        _fail(str(exc))
+    files = write(result, output)
+    s = summarise(result)
+    console.print(f"{cfg.name()} on {problem.label()}: {s['tiles_run']} tiles run "
+                  f"({s.get('tiles_in_problem', 0)} of the problem's {result.tiles}) on {s.get('sms_used', 0)} "
+                  f"SMs in {s.get('span_us', 0):.1f} us; SM idle {s.get('idle_us_total', 0):.0f} us",
+                  highlight=False)
+    for f in files:
+        console.print(f"wrote {f}", highlight=False, soft_wrap=True)
+
+
 def _print_calibration(cal) -> None:
     console.print(f"{cal.device} ({cal.arch}): fitted on {len(cal.train_families)} families, "
                   f"scored on {len(cal.heldout_families)} held out", highlight=False)
