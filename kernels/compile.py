@@ -53,7 +53,7 @@ _GROUPED_CLASSES = {
     "sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel",
     "sm100": "kernels.sm100.grouped:Sm100GroupedGemmKernel",
 }
-# Archs whose plain kernel has the trace build flag (`kernels.trace`).
+# Archs whose kernels (plain and grouped) have the trace build flag (`kernels.trace`).
 _TRACED = ("sm90",)
 _EXPORT_NAME = "gemm"
 _CACHE_ENV = "KERNELS_CACHE_DIR"
@@ -82,7 +82,7 @@ class Variant:
     `grouped` is "" for a plain GEMM, else a `kernels.grouped` form ("rows":
     MoE offsets over A's rows, "k": problems packed along K). `trace` builds
     the kernel that records every tile (`kernels.trace`; plain sm90 so far):
-    its runner takes the record buffer after `out`.
+    its runner takes the record buffer last.
     """
 
     cfg: GemmConfig
@@ -95,8 +95,8 @@ class Variant:
     def __post_init__(self) -> None:
         # Sizes 8 satisfy every alignment rule; this checks dtypes and layout.
         check_operands(8, 8, 8 * self.cfg.split_k, 1, self.dtype_in, self.dtype_out, self.layout)
-        if self.trace and (self.grouped or self.cfg.arch not in _TRACED):
-            raise InvalidConfig(f"no traced build of {'grouped ' if self.grouped else ''}{self.cfg.arch} kernels yet")
+        if self.trace and self.cfg.arch not in _TRACED:
+            raise InvalidConfig(f"no traced build of {self.cfg.arch} kernels yet")
 
     @property
     def workspace(self) -> bool:
@@ -151,8 +151,7 @@ def _fake_args(v: Variant):
         sched_buf = make_fake_compact_tensor(cutlass.Int32, (SPLIT_K_COUNTERS,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     if v.trace:
-        records = make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(),), assumed_align=8)
-        return a, b, out, sched_buf, cutlass.Int32(1), records, stream
+        return a, b, out, sched_buf, cutlass.Int32(1), _fake_records(), stream
     return a, b, out, sched_buf, cutlass.Int32(1), stream
 
 
@@ -172,7 +171,19 @@ def _fake_grouped(v: Variant, row_major, dtypes, m, n, k):
         out = row_major(dout, (g, m, n))
     offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
-    return b, out, offs, sched_buf, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if v.trace:
+        return b, out, offs, sched_buf, cutlass.Int32(1), _fake_records(), stream
+    return b, out, offs, sched_buf, cutlass.Int32(1), stream
+
+
+def _fake_records():
+    """The int64 record buffer of a traced build (`kernels.trace`)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(),), assumed_align=8)
 
 
 def _compile(v: Variant, options: str = ""):
@@ -491,10 +502,13 @@ class _GroupedRunner:
         self._max_groups = MAX_GROUPS
         self.variant = v
 
-    def __call__(self, a, b, offs, out) -> None:
+    def __call__(self, a, b, offs, out, *records) -> None:
+        """`records`: the int64 record buffer of a traced build (`kernels.trace`)."""
+        if len(records) != self.variant.trace:
+            raise TypeError("a traced kernel takes a record buffer after out; an untraced one none")
         if not 0 < offs.shape[0] <= self._max_groups:
             raise InvalidConfig(f"{offs.shape[0]} groups; the grouped kernels take 1 to {self._max_groups}")
-        self._fn(a, b, out, offs, _sched_buf(self._device), self._max_clusters)
+        self._fn(a, b, out, offs, _sched_buf(self._device), self._max_clusters, *records)
 
 
 def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, grouped: str = "",

@@ -343,13 +343,12 @@ class TileScheduler:
     @cute.jit
     def _trace_claim(self, trace, idx: Int32, asked) -> None:
         """Record the claim of work index `idx` (asked at `asked`) in the
-        trace record of the leader CTA's tile; the tile is decoded before the
-        clock is read again, so the read waits for the atomic's answer."""
-        if idx < self.grid.count:
-            cl_m, cl_n, l = decode_tile(idx, self.grid, self.spec.swizzle, self.spec.raster_m)
-            cm, cn = self.spec.cluster_mn
-            tile = (cl_m * cm, cl_n * cn, l)
-            trace.claim(tile, _trace_now() - asked)
+        trace record of the tile it gives this (the leader) CTA; the tile is
+        decoded before the clock is read again, so the read waits for the
+        atomic's answer."""
+        work = type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
+        if work.is_valid:
+            trace.claim(work.tile, _trace_now() - asked)
 
     @cute.jit
     def serve_claims(self, counter: cute.Tensor, trace=None) -> None:

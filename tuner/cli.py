@@ -351,12 +351,18 @@ def trace(
     from kernels.space import GemmConfig, InvalidConfig
     from tuner.shapes import parse_key
 
-    if (config is None) == (not winner):
+    if (config is not None) == winner:
         _fail("give exactly one of --config NAME and --winner")
     try:
         problem = parse_key(key).problem
     except ValueError as exc:
         _fail(f"--key: {exc}")
+    cfg = None
+    if config is not None:
+        try:
+            cfg = GemmConfig.from_name(config)
+        except InvalidConfig as exc:
+            _fail(f"--config: {exc}")
     import torch
 
     if not torch.cuda.is_available():
@@ -369,11 +375,6 @@ def trace(
         if found is None or found.config is None:
             _fail(f"no kernel winner stored for {problem.label()} on {k.device}")
         cfg = GemmConfig.from_dict(found.config)
-    else:
-        try:
-            cfg = GemmConfig.from_name(config)
-        except InvalidConfig as exc:
-            _fail(f"--config: {exc}")
     from tuner.trace import run, summarise, write
 
     try:

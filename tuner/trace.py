@@ -1,8 +1,8 @@
 """One traced launch of a pool kernel: where and when every tile ran.
 
 `run` launches the traced build (`kernels.trace`) of a config once on the
-current GPU, after an untraced warm-up, holding SMs for a `held=S` key, and
-returns a `Trace`; `summarise` reduces its records to what the seeds draw
+current GPU (dense or grouped, on the gpu backend's operands), after a
+warm-up launch, holding SMs for a `held=S` key, and returns a `Trace`; `summarise` reduces its records to what the seeds draw
 (tiles and busy time per SM, SM idle time, the launch's span), and `draw`
 writes the pictures: a per-SM timeline of tiles, the tiles-per-SM
 histogram and the idle time of every SM.
@@ -25,24 +25,42 @@ class Trace:
     config: str
     device: str
     sms: int
-    tiles: int               # CTA tiles of the problem (the tiles inside M x N, times K slices)
+    rows: list[int]          # output rows of each group (a record's `group`): K slices of a dense key too
     records: list[dict]      # one per tile that ran (FIELDS), times in ns
 
+    @property
+    def tiles(self) -> int:
+        """CTA tiles of the problem: those inside each group's rows and N."""
+        cfg = GemmConfig.from_name(self.config)
+        return sum(_cdiv(r, cfg.cta_tile_m) for r in self.rows) * _cdiv(self.key["n"], cfg.tile_n)
+
     def to_json(self) -> dict:
-        return {**asdict(self), "summary": summarise(self)}
+        return {**asdict(self), "tiles": self.tiles, "summary": summarise(self)}
 
 
-def tile_counts(key: Key, cfg: GemmConfig) -> tuple[int, int, int]:
-    """(tiles along M, along N, groups) of the problem's CTA tiles."""
+def group_rows(key: Key, cfg: GemmConfig) -> list[int]:
+    """Output rows of each group of the launch (the groups of the records):
+    a dense key's K slices, seed 000's problems, or the MoE groups as the
+    gpu backend routes them."""
+    from tuner._gpu_worker import group_bounds
+
     p = key.problem
-    return _cdiv(p.m, cfg.cta_tile_m), _cdiv(p.n, cfg.tile_n), cfg.split_k
+    if p.groups == 1:
+        return [p.m] * cfg.split_k
+    if p.group_k:
+        return [p.m] * p.groups
+    bounds = group_bounds(p.m, p.groups)
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
 
 
 def slots(key: Key, cfg: GemmConfig) -> int:
-    """Records the buffer holds: CTA tiles of whole clusters (a cluster's CTA
-    past the edge still runs its tile)."""
-    tm, tn, groups = tile_counts(key, cfg)
-    return _cdiv(tm, cfg.cluster_m) * cfg.cluster_m * _cdiv(tn, cfg.cluster_n) * cfg.cluster_n * groups
+    """Records the buffer holds: for every group, the CTA tiles of whole
+    clusters over all M rows (a cluster's CTA past the edge still runs its
+    tile; an MoE group has at most every row)."""
+    p = key.problem
+    tiles_m = _cdiv(_cdiv(p.m, cfg.cta_tile_m), cfg.cluster_m) * cfg.cluster_m
+    tiles_n = _cdiv(_cdiv(p.n, cfg.tile_n), cfg.cluster_n) * cfg.cluster_n
+    return tiles_m * tiles_n * len(group_rows(key, cfg))
 
 
 def run(key: Key, cfg: GemmConfig, *, seed: int = 0) -> Trace:
@@ -50,35 +68,31 @@ def run(key: Key, cfg: GemmConfig, *, seed: int = 0) -> Trace:
     import torch
 
     from kernels.compile import get_kernel
+    from tuner._gpu_worker import _make_operands, grouped_form
     from tuner.carveout import hold_sms
 
     p = key.problem
-    if p.groups > 1:
-        raise InvalidConfig("tile traces of the grouped kernels are not built yet: trace a dense key")
     if not p.runs(cfg):
         raise InvalidConfig(f"{cfg.name()} cannot run {p.label()}")
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    a = torch.randn(p.m, p.k, device="cuda", generator=gen).to(dtypes[p.dtype_in])
-    shape_b = (p.n, p.k) if p.layout == "tn" else (p.k, p.n)
-    b = torch.randn(*shape_b, device="cuda", generator=gen).to(dtypes[p.dtype_in])
-    out = torch.empty(p.m, p.n, device="cuda", dtype=dtypes[p.dtype_out])
-    runner = get_kernel(cfg, dtype_in=p.dtype_in, dtype_out=p.dtype_out, layout=p.layout, trace=True)
+    problem = key.to_dict()
+    # The operands the gpu backend measures with (MoE groups routed alike).
+    args = _make_operands(problem, torch.Generator(device="cuda").manual_seed(seed)).args
+    runner = get_kernel(cfg, dtype_in=p.dtype_in, dtype_out=p.dtype_out, layout=p.layout,
+                        grouped=grouped_form(problem), trace=True)
     buf = torch.full((slots(key, cfg) * RECORD_WORDS,), -1, dtype=torch.int64, device="cuda")
-    runner(a, b, out, buf)  # loads the module and warms L2 and the clocks
+    runner(*args, buf)  # loads the module and warms L2 and the clocks
     buf.fill_(-1)
     torch.cuda.synchronize()
     if p.carveout:
         with hold_sms(p.carveout):
-            runner(a, b, out, buf)
+            runner(*args, buf)
     else:
-        runner(a, b, out, buf)
+        runner(*args, buf)
     torch.cuda.synchronize()
     words = buf.view(-1, RECORD_WORDS).cpu().tolist()
     records = [dict(zip(FIELDS, w)) for w in words if w[FIELDS.index("end_ns")] >= 0]
-    tm, tn, groups = tile_counts(key, cfg)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return Trace(key.to_dict(), cfg.name(), props.name, props.multi_processor_count, tm * tn * groups, records)
+    return Trace(problem, cfg.name(), props.name, props.multi_processor_count, group_rows(key, cfg), records)
 
 
 def summarise(trace: Trace) -> dict:
@@ -89,7 +103,8 @@ def summarise(trace: Trace) -> dict:
         return {"tiles_run": 0}
     t0 = min(r["start_ns"] for r in recs)
     span = max(r["end_ns"] for r in recs) - t0
-    tm, tn = _edges(trace)
+    cfg = GemmConfig.from_name(trace.config)
+    tiles_n = _cdiv(trace.key["n"], cfg.tile_n)
     per_sm = {sm: {"tiles": 0, "busy_us": 0.0} for sm in range(trace.sms)}
     for r in recs:
         s = per_sm.setdefault(r["sm"], {"tiles": 0, "busy_us": 0.0})
@@ -101,7 +116,8 @@ def summarise(trace: Trace) -> dict:
     claims = sorted(r["claim_ns"] for r in recs if r["claim_ns"] >= 0)
     return {
         "tiles_run": len(recs),
-        "tiles_in_problem": sum(r["tile_m"] < tm and r["tile_n"] < tn for r in recs),
+        "tiles_in_problem": sum(
+            r["tile_n"] < tiles_n and r["tile_m"] < _cdiv(trace.rows[r["group"]], cfg.cta_tile_m) for r in recs),
         "span_us": round(span / 1000, 3),
         "sms_used": sum(s["tiles"] > 0 for s in per_sm.values()),
         "idle_us_total": round(sum(s["idle_us"] for s in per_sm.values()), 3),
@@ -143,7 +159,8 @@ def draw(trace: Trace, out: Path) -> list[Path]:
     ax.invert_yaxis()
     ax.set_xlabel("us since the first tile began")
     ax.set_ylabel("SM (%smid)")
-    ax.set_title(f"{title}\none bar per tile, coloured by {'group (K slice)' if colour_by == 'group' else 'tile row'}",
+    what = "group (K slice)" if trace.key["groups"] == 1 else "group"
+    ax.set_title(f"{title}\none bar per tile, coloured by {what if colour_by == 'group' else 'tile row'}",
                  fontsize=9)
     timeline = _save(fig, out / "timeline.png")
 
@@ -177,13 +194,9 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _edges(trace: Trace) -> tuple[int, int]:
-    cfg = GemmConfig.from_name(trace.config)
-    return _cdiv(trace.key["m"], cfg.cta_tile_m), _cdiv(trace.key["n"], cfg.tile_n)
-
-
 def _key_label(key: dict) -> str:
-    text = f"{key['m']}x{key['n']}x{key['k']}"
+    k = ",".join(map(str, key["group_k"])) if key["group_k"] else str(key["k"])
+    text = f"{key['m']}x{key['n']}x{k}" + (f" groups={key['groups']}" if key["groups"] > 1 else "")
     return text + (f" held={key['carveout']}" if key["carveout"] else "")
 
 
