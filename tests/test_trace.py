@@ -106,7 +106,8 @@ def test_summary_and_pictures_of_a_trace(tmp_path):
     assert s["idle_us_total"] == 1.0 + 9.0 + 9.0 + 3.0
     assert (s["claims"], s["claim_ns_median"]) == (2, 900)
     files = write(trace, tmp_path)
-    assert [f.name for f in files] == ["trace.json", "timeline.png", "tiles_per_sm.png", "sm_idle.png"]
+    assert [f.name for f in files] == ["trace.json", "trace.timeline.png", "trace.tiles_per_sm.png",
+                                       "trace.sm_idle.png"]
     for f in files[1:]:
         assert f.read_bytes()[:4] == b"\x89PNG"
 

@@ -127,15 +127,15 @@ def summarise(trace: Trace) -> dict:
     }
 
 
-def write(trace: Trace, out: Path) -> list[Path]:
-    """`out`/trace.json and the pictures; returns the files written."""
+def write(trace: Trace, out: Path, stem: str = "trace") -> list[Path]:
+    """`out`/`stem`.json and the pictures (`stem`.timeline.png, ...); returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "trace.json"
+    path = out / f"{stem}.json"
     path.write_text(json.dumps(trace.to_json(), indent=1) + "\n")
-    return [path, *draw(trace, out)]
+    return [path, *draw(trace, out, stem)]
 
 
-def draw(trace: Trace, out: Path) -> list[Path]:
+def draw(trace: Trace, out: Path, stem: str = "trace") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,7 +162,7 @@ def draw(trace: Trace, out: Path) -> list[Path]:
     what = "group (K slice)" if trace.key["groups"] == 1 else "group"
     ax.set_title(f"{title}\none bar per tile, coloured by {what if colour_by == 'group' else 'tile row'}",
                  fontsize=9)
-    timeline = _save(fig, out / "timeline.png")
+    timeline = _save(fig, out / f"{stem}.timeline.png")
 
     per_sm = summary.get("per_sm", {})
     counts = [s["tiles"] for s in per_sm.values()]
@@ -172,7 +172,7 @@ def draw(trace: Trace, out: Path) -> list[Path]:
     ax.set_xlabel("tiles run by an SM")
     ax.set_ylabel("SMs")
     ax.set_title(f"{title}\ntiles per SM ({summary.get('tiles_run', 0)} tiles, {trace.sms} SMs)", fontsize=9)
-    histogram = _save(fig, out / "tiles_per_sm.png")
+    histogram = _save(fig, out / f"{stem}.tiles_per_sm.png")
 
     fig, ax = plt.subplots(figsize=(11, 4))
     sms = [int(sm) for sm in per_sm]
@@ -181,7 +181,7 @@ def draw(trace: Trace, out: Path) -> list[Path]:
     ax.set_ylabel("idle us within the launch")
     ax.set_title(f"{title}\nSM idle time: {summary.get('idle_us_total', 0):.0f} us in all over a "
                  f"{summary.get('span_us', 0):.1f} us span", fontsize=9)
-    idle = _save(fig, out / "sm_idle.png")
+    idle = _save(fig, out / f"{stem}.sm_idle.png")
     return [timeline, histogram, idle]
 
 
