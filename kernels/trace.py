@@ -30,8 +30,3 @@ from __future__ import annotations
 # Host side only (no cutlass import): the device side is `kernels.trace_device`.
 FIELDS = ("sm", "cta", "tile_m", "tile_n", "group", "start_ns", "end_ns", "claim_ns")
 RECORD_WORDS = len(FIELDS)
-
-
-def record_count(tiles_m: int, tiles_n: int, groups: int) -> int:
-    """Records (CTA tiles) of a launch."""
-    return tiles_m * tiles_n * groups
