@@ -113,6 +113,16 @@ class LeaseEventView:
     at: datetime
 
 
+@dataclass(frozen=True)
+class KeyTrials:
+    """Every trial of one key measured under one environment."""
+
+    key: dict[str, Any]
+    name: str
+    backend: str
+    trials: list[TrialView]
+
+
 def fingerprint(backend: str, arch: str, device: str, versions: dict[str, str]) -> str:
     text = json.dumps([backend, arch, device, versions], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -209,6 +219,32 @@ class Store:
         with self.session() as s:
             rows = s.scalars(select(Trial).filter_by(key_id=key_id, env_id=env_id).order_by(Trial.id))
             return [TrialView(t.config_name, t.scheduler, t.config, t.ok, t.ms, t.error) for t in rows]
+
+    def key_trials(self, backend: str | None = None, **filters: Any) -> list[KeyTrials]:
+        """The trials of every key matching the given fields (None = any), one
+        entry per key and environment, by key."""
+        unknown = set(filters) - set(KEY_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown filter fields: {sorted(unknown)}")
+        stmt = (
+            select(Trial, GemmKey, Environment)
+            .join(GemmKey, Trial.key_id == GemmKey.id)
+            .join(Environment, Trial.env_id == Environment.id)
+        )
+        clean = {f: v for f, v in filters.items() if v is not None}
+        for name, value in _key_filter(clean, partial=True).items():
+            stmt = stmt.where(getattr(GemmKey, name) == value)
+        if backend is not None:
+            stmt = stmt.where(Environment.backend == backend)
+        stmt = stmt.order_by(GemmKey.n, GemmKey.k, GemmKey.m, GemmKey.id, Environment.id, Trial.id)
+        out: dict[tuple[int, int], KeyTrials] = {}
+        with self.session() as s:
+            for t, k, e in s.execute(stmt):
+                entry = out.get((k.id, e.id))
+                if entry is None:
+                    entry = out[k.id, e.id] = KeyTrials(_key_dict(k), k.name, e.backend, [])
+                entry.trials.append(TrialView(t.config_name, t.scheduler, t.config, t.ok, t.ms, t.error))
+        return list(out.values())
 
     # -- winners ----------------------------------------------------------------
 
@@ -424,11 +460,15 @@ def _range_view(r: MRange, e: Environment) -> RangeView:
     )
 
 
-def _view(w: Winner, k: GemmKey, e: Environment) -> WinnerView:
+def _key_dict(k: GemmKey) -> dict[str, Any]:
     key = {name: getattr(k, name) for name in KEY_FIELDS}
     key["group_k"] = [int(x) for x in k.group_k.split(",")] if k.group_k else []
+    return key
+
+
+def _view(w: Winner, k: GemmKey, e: Environment) -> WinnerView:
     return WinnerView(
-        key=key, name=k.name, config_name=w.config_name, scheduler=w.scheduler, config=w.config,
+        key=_key_dict(k), name=k.name, config_name=w.config_name, scheduler=w.scheduler, config=w.config,
         ms=w.ms, baseline_ms=w.baseline_ms, speedup=w.speedup,
         best_by_scheduler=w.best_by_scheduler, trials=w.trials, backend=e.backend,
         versions=e.versions, updated_at=w.updated_at,

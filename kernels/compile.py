@@ -53,6 +53,8 @@ _GROUPED_CLASSES = {
     "sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel",
     "sm100": "kernels.sm100.grouped:Sm100GroupedGemmKernel",
 }
+# Archs whose kernels (plain and grouped) have the trace build flag (`kernels.trace`).
+_TRACED = ("sm90",)
 _EXPORT_NAME = "gemm"
 _CACHE_ENV = "KERNELS_CACHE_DIR"
 # ELF .nv.info attributes: registers per thread, stack frame bytes (spills).
@@ -78,7 +80,9 @@ class Variant:
     """What one compile is specialised for: a config, dtypes, B's layout and grouped form.
 
     `grouped` is "" for a plain GEMM, else a `kernels.grouped` form ("rows":
-    MoE offsets over A's rows, "k": problems packed along K).
+    MoE offsets over A's rows, "k": problems packed along K). `trace` builds
+    the kernel that records every tile (`kernels.trace`; plain sm90 so far):
+    its runner takes the record buffer last.
     """
 
     cfg: GemmConfig
@@ -86,10 +90,13 @@ class Variant:
     dtype_out: str = "bf16"
     layout: str = "tn"
     grouped: str = ""
+    trace: bool = False
 
     def __post_init__(self) -> None:
         # Sizes 8 satisfy every alignment rule; this checks dtypes and layout.
         check_operands(8, 8, 8 * self.cfg.split_k, 1, self.dtype_in, self.dtype_out, self.layout)
+        if self.trace and self.cfg.arch not in _TRACED:
+            raise InvalidConfig(f"no traced build of {self.cfg.arch} kernels yet")
 
     @property
     def workspace(self) -> bool:
@@ -103,7 +110,8 @@ class Variant:
 
     def key(self) -> str:
         key = f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"
-        return f"{key}-grouped_{self.grouped}" if self.grouped else key
+        key = f"{key}-grouped_{self.grouped}" if self.grouped else key
+        return f"{key}-trace" if self.trace else key
 
 
 # ---------------------------------------------------------------- compiling
@@ -141,7 +149,10 @@ def _fake_args(v: Variant):
         sched_buf = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=16)
     else:
         sched_buf = make_fake_compact_tensor(cutlass.Int32, (SPLIT_K_COUNTERS,), assumed_align=4)
-    return a, b, out, sched_buf, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if v.trace:
+        return a, b, out, sched_buf, cutlass.Int32(1), _fake_records(), stream
+    return a, b, out, sched_buf, cutlass.Int32(1), stream
 
 
 def _fake_grouped(v: Variant, row_major, dtypes, m, n, k):
@@ -160,7 +171,19 @@ def _fake_grouped(v: Variant, row_major, dtypes, m, n, k):
         out = row_major(dout, (g, m, n))
     offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
-    return b, out, offs, sched_buf, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if v.trace:
+        return b, out, offs, sched_buf, cutlass.Int32(1), _fake_records(), stream
+    return b, out, offs, sched_buf, cutlass.Int32(1), stream
+
+
+def _fake_records():
+    """The int64 record buffer of a traced build (`kernels.trace`)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(),), assumed_align=8)
 
 
 def _compile(v: Variant, options: str = ""):
@@ -169,7 +192,8 @@ def _compile(v: Variant, options: str = ""):
 
     cls = _kernel_class(v.cfg.arch, v.grouped)
     kernel = cls(v.cfg, v.layout, v.grouped) if v.grouped else cls(v.cfg, v.layout)
-    compiled = cute.compile(kernel, *_fake_args(v), options=f"--enable-tvm-ffi {options}".strip())
+    entry = kernel.traced if v.trace else kernel
+    compiled = cute.compile(entry, *_fake_args(v), options=f"--enable-tvm-ffi {options}".strip())
     return compiled, kernel
 
 
@@ -442,19 +466,22 @@ class _Runner:
         self._max_clusters = _clusters_per_wave(device_index, v.cfg.cluster_size)
         self.variant = v
 
-    def __call__(self, a, b, out) -> None:
+    def __call__(self, a, b, out, *records) -> None:
+        """`records`: the int64 record buffer of a traced build (`kernels.trace`)."""
+        if len(records) != self.variant.trace:
+            raise TypeError("a traced kernel takes a record buffer after out; an untraced one none")
         if self._scratch:
             scratch = _scratch_buf(self._device, self.variant.cfg, out.shape[0], out.shape[1])
-            self._fn(a, b, out, scratch, self._max_clusters)
+            self._fn(a, b, out, scratch, self._max_clusters, *records)
             return
         buf = _sched_buf(self._device)
         if self._split_k == 1:
-            self._fn(a, b, out, buf, self._max_clusters)
+            self._fn(a, b, out, buf, self._max_clusters, *records)
             return
         import torch
 
         ws = torch.empty((self._split_k, *out.shape), dtype=torch.float32, device=out.device)
-        self._fn(a, b, ws, buf, self._max_clusters)
+        self._fn(a, b, ws, buf, self._max_clusters, *records)
         torch.sum(ws, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(ws.sum(dim=0))
 
 
@@ -475,16 +502,21 @@ class _GroupedRunner:
         self._max_groups = MAX_GROUPS
         self.variant = v
 
-    def __call__(self, a, b, offs, out) -> None:
+    def __call__(self, a, b, offs, out, *records) -> None:
+        """`records`: the int64 record buffer of a traced build (`kernels.trace`)."""
+        if len(records) != self.variant.trace:
+            raise TypeError("a traced kernel takes a record buffer after out; an untraced one none")
         if not 0 < offs.shape[0] <= self._max_groups:
             raise InvalidConfig(f"{offs.shape[0]} groups; the grouped kernels take 1 to {self._max_groups}")
-        self._fn(a, b, out, offs, _sched_buf(self._device), self._max_clusters)
+        self._fn(a, b, out, offs, _sched_buf(self._device), self._max_clusters, *records)
 
 
-def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, grouped: str = ""):
+def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, grouped: str = "",
+               trace: bool = False):
     """A runner of `cfg` for the current CUDA device (compiled or loaded once).
 
-    `grouped` "" gives a `_Runner`, a `kernels.grouped` form a `_GroupedRunner`.
+    `grouped` "" gives a `_Runner`, a `kernels.grouped` form a `_GroupedRunner`;
+    `trace` the traced build (`kernels.trace`).
     """
     import torch
 
@@ -492,5 +524,5 @@ def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, g
     arch = _device_arch(device_index)
     if cfg.arch != arch:
         raise InvalidConfig(f"{cfg.arch} config on a {arch} device")
-    v = Variant(cfg, dtype_in, dtype_out, layout, grouped)
+    v = Variant(cfg, dtype_in, dtype_out, layout, grouped, trace)
     return (_GroupedRunner if grouped else _Runner)(_function(v, arch), v, device_index)

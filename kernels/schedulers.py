@@ -55,6 +55,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Boolean, Int32, const_expr
 
+from kernels.trace_device import now as _trace_now
+
 KINDS = ("single_tile", "static_persistent", "dynamic_persistent")
 
 # Bytes of one published work index.
@@ -339,7 +341,17 @@ class TileScheduler:
                     cute.arch.mbarrier_arrive(self._ring.request)
 
     @cute.jit
-    def serve_claims(self, counter: cute.Tensor) -> None:
+    def _trace_claim(self, trace, idx: Int32, asked) -> None:
+        """Record the claim of work index `idx` (asked at `asked`) in the
+        trace record of the tile it gives this (the leader) CTA; the tile is
+        decoded before the clock is read again, so the read waits for the
+        atomic's answer."""
+        work = type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
+        if work.is_valid:
+            trace.claim(work.tile, _trace_now() - asked)
+
+    @cute.jit
+    def serve_claims(self, counter: cute.Tensor, trace=None) -> None:
         """The scheduler warp's loop: wait for the load warp's request, claim,
         publish, repeat until past the end.
 
@@ -347,7 +359,8 @@ class TileScheduler:
         twice without receiving a claim in between, so the request barrier is
         never more than one phase ahead of this loop. `counter` is the persistent
         int32[2] buffer (claims, finished clusters); the last cluster out
-        zeroes it for the next launch.
+        zeroes it for the next launch. With a `kernels.trace_device.TileTrace`,
+        each claim's round trip goes into the record of the tile it claimed.
         """
         if const_expr(self.spec.dynamic):
             if cute.arch.block_idx_in_cluster() == 0:
@@ -364,7 +377,11 @@ class TileScheduler:
                     phase = phase ^ 1
                     claimed = Int32(0)
                     if lane == 0:
+                        if const_expr(trace is not None):
+                            asked = _trace_now()
                         claimed = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+                        if const_expr(trace is not None):
+                            self._trace_claim(trace, claimed + self.num_clusters, asked)
                     nxt = cute.arch.shuffle_sync(claimed, 0) + self.num_clusters
                     self._ring.publish(state, nxt)
                     state.advance()

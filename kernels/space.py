@@ -192,6 +192,36 @@ class GemmConfig:
             raise InvalidConfig(f"unknown config fields: {sorted(unknown)}")
         return cls(**data)
 
+    @classmethod
+    def from_name(cls, name: str) -> "GemmConfig":
+        """The config `name()` names (e.g. "sm90-dynamic_persistent-t128x256-c2x1-s4-w4m-d1")."""
+        parts = name.split("-")
+        if len(parts) < 6:
+            raise InvalidConfig(f"{name!r} is not a config name (arch-scheduler-tMxN-cMxN-sS-wSR[-...])")
+        fields_ = {"arch": parts[0], "scheduler": parts[1]}
+        try:
+            fields_["tile_m"], fields_["tile_n"] = (int(x) for x in parts[2].removeprefix("t").split("x"))
+            fields_["cluster_m"], fields_["cluster_n"] = (int(x) for x in parts[3].removeprefix("c").split("x"))
+            fields_["stages"] = int(parts[4].removeprefix("s"))
+            fields_["swizzle"], fields_["raster"] = int(parts[5][1:-1]), parts[5][-1]
+            for part in parts[6:]:
+                if part == "tc":
+                    fields_["tail_cancel"] = True
+                elif part[0] == "d":
+                    fields_["sched_depth"] = int(part[1:])
+                elif part[0] == "k":
+                    fields_["split_k"] = int(part[1:])
+                elif part[0] == "g":
+                    fields_["cta_group"], fields_["acc_stages"] = (int(x) for x in part[1:].split("a"))
+                else:
+                    raise ValueError(part)
+        except ValueError:
+            raise InvalidConfig(f"{name!r} is not a config name (arch-scheduler-tMxN-cMxN-sS-wSR[-...])") from None
+        cfg = cls(**fields_)
+        if cfg.name() != name:
+            raise InvalidConfig(f"{name!r} is not a config name; did you mean {cfg.name()!r}?")
+        return cfg
+
 
 def smem_bytes(cfg: GemmConfig, dtype_in: str = "bf16") -> int:
     """Shared memory one CTA of `cfg` needs: the A/B ring, epilogue buffers, barriers."""

@@ -394,6 +394,142 @@ def serve(
     )
 
 
+@app.command()
+def report(
+    output: Path = typer.Option(..., "-o", "--output", help="Directory to write index.html and its PNGs into."),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Write an HTML report: speedups, schedulers, M maps, model against measurement."""
+    from tuner.report import write_report
+
+    store = _open(db, writer=False)
+    try:
+        page = write_report(store, _family_maps(store), output)
+    except OSError as exc:
+        _fail(f"cannot write the report to {output}: {exc.strerror or exc}")
+    finally:
+        store.close()
+    console.print(f"wrote {page}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def calibrate(
+    device: Optional[str] = typer.Option(
+        None, help="Device name to fit (default: every measured device in the database)."),
+    holdout_every: int = typer.Option(
+        3, min=2, help="Hold every Nth family out of the fit, to score it on."),
+    output: Optional[Path] = typer.Option(
+        None, "-o", "--output", help="Calibration file to update (default: $TUNER_CALIBRATION, else the "
+        "one the package ships)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the fit and its scores as JSON."),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Fit the analytic model's constants to a device's measured trials and store them."""
+    from tuner.calibration import calibrate as fit_device, devices, save
+    from tuner.model import calibration_path
+
+    store = _open(db, writer=False)
+    found = devices(store)
+    if device is not None:
+        found = [d for d in found if d[1] == device]
+    if not found:
+        store.close()
+        _fail(f"no measured trials of {device!r} in the database" if device else
+              "no measured trials in the database (the model's own are not fitted)")
+    path = output or calibration_path()
+    results = []
+    try:
+        for arch, name in found:
+            with err_console.status(f"fitting {name} ({arch})"):
+                results.append(fit_device(store, arch, name, holdout_every))
+            save(path, results[-1])
+    except ValueError as exc:
+        _fail(str(exc))
+    finally:
+        store.close()
+    if as_json:
+        print(json.dumps([r.to_json() for r in results], indent=1))
+        return
+    for cal in results:
+        _print_calibration(cal)
+    console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def trace(
+    key: str = typer.Option(..., "--key", help="The key as a shape file line, e.g. '2048 4096 4096 held=16'."),
+    config: Optional[str] = typer.Option(None, "--config", help="Name of the config to trace."),
+    winner: bool = typer.Option(False, "--winner", help="Trace the key's stored winner instead."),
+    arch: str = typer.Option("sm90", help="Target architecture (traced builds: sm90)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory for trace.json and the PNGs."),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Run one traced launch (GPU): per-SM timeline, tiles per SM, SM idle time."""
+    from kernels.space import GemmConfig, InvalidConfig
+    from tuner.shapes import parse_key
+
+    if (config is not None) == winner:
+        _fail("give exactly one of --config NAME and --winner")
+    try:
+        problem = parse_key(key).problem
+    except ValueError as exc:
+        _fail(f"--key: {exc}")
+    cfg = None
+    if config is not None:
+        try:
+            cfg = GemmConfig.from_name(config)
+        except InvalidConfig as exc:
+            _fail(f"--config: {exc}")
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail("tracing runs a kernel: no CUDA device here")
+    k = Key(arch, torch.cuda.get_device_name(), problem)
+    if winner:
+        store = _open(db, writer=False)
+        found = store.winner(k.to_dict())
+        store.close()
+        if found is None or found.config is None:
+            _fail(f"no kernel winner stored for {problem.label()} on {k.device}")
+        cfg = GemmConfig.from_dict(found.config)
+    from tuner.trace import run, summarise, write
+
+    try:
+        result = run(k, cfg)
+    except InvalidConfig as exc:
+        _fail(str(exc))
+    files = write(result, output)
+    s = summarise(result)
+    console.print(f"{cfg.name()} on {problem.label()}: {s['tiles_run']} tiles run "
+                  f"({s.get('tiles_in_problem', 0)} of the problem's {result.tiles}) on {s.get('sms_used', 0)} "
+                  f"SMs in {s.get('span_us', 0):.1f} us; SM idle {s.get('idle_us_total', 0):.0f} us",
+                  highlight=False)
+    for f in files:
+        console.print(f"wrote {f}", highlight=False, soft_wrap=True)
+
+
+def _print_calibration(cal) -> None:
+    console.print(f"{cal.device} ({cal.arch}): fitted on {len(cal.train_families)} families, "
+                  f"scored on {len(cal.heldout_families)} held out", highlight=False)
+    table = _table("", ["held-out keys", "before", "after"], ("held-out keys",))
+    before, after = cal.before["heldout"], cal.after["heldout"]
+    rows = [
+        ("keys (with >= 3 configs)", f"{before.keys}", f"{after.keys}"),
+        ("median Spearman", f"{before.median_spearman:.3f}", f"{after.median_spearman:.3f}"),
+        ("model's pick vs best", f"{before.mean_pick_slowdown:+.2%}", f"{after.mean_pick_slowdown:+.2%}"),
+        ("mean |time error|", f"{before.mean_abs_error:.1%}", f"{after.mean_abs_error:.1%}"),
+        ("cuBLAS estimate, worst", *(f"{s.cublas_max_ratio:.2f}x" if s.cublas_max_ratio else "-"
+                                     for s in (before, after))),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    constants = _table("", ["constant", "datasheet", "fitted"], ("constant",))
+    for name, value in cal.constants.items():
+        constants.add_row(name, f"{cal.before_constants[name]:.4g}", f"{value:.4g}")
+    console.print(constants)
+
+
 _SCHEDULER_SHORT = {"single_tile": "single", "static_persistent": "static", "dynamic_persistent": "dynamic"}
 
 

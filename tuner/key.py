@@ -88,3 +88,9 @@ class Key:
         d = asdict(self.problem)
         d["group_k"] = list(self.problem.group_k)
         return {"arch": self.arch, "device": self.device, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Key":
+        """The inverse of `to_dict` (a stored key's fields)."""
+        fields = {f: d[f] for f in ("m", "n", "k", "groups", "dtype_in", "dtype_out", "layout", "carveout")}
+        return cls(d["arch"], d["device"], Problem(**fields, group_k=tuple(d["group_k"])))

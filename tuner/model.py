@@ -48,8 +48,12 @@ against measured H100 results is reported by the benchmarks, not assumed.
 from __future__ import annotations
 
 import heapq
+import json
 import math
+import os
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -88,6 +92,12 @@ class DeviceModel:
     epilogue_fixed_us: float = 0.5     # accumulators -> smem -> TMA store issue
     atomic_claim_us: float = 1.0       # global atomic round trip (dynamic_persistent)
     clc_claim_us: float = 0.35         # try_cancel -> response in smem (clc)
+    # Fraction of the epilogue the MMA pipe waits for when the accumulator has
+    # a single buffer (all of sm90: accumulators in the consumers' registers;
+    # sm100 with acc_stages == 1): the TMA store is asynchronous and the
+    # producer has prefetched the next tile, but the register/TMEM -> smem
+    # copy is not hidden.
+    epilogue_exposed: float = 0.5
     # (cluster size, clusters that run at once) where measured: a cluster
     # lives in one GPC, so this can be below sms // size, the fallback.
     max_clusters: tuple[tuple[int, int], ...] = ()
@@ -133,11 +143,29 @@ B200 = DeviceModel(
 
 DEVICES = {"sm90": H100, "sm100": B200}
 
-# Fraction of the epilogue the MMA pipe waits for when the accumulator has a
-# single buffer (all of sm90: accumulators in the consumers' registers; sm100
-# with acc_stages == 1): the TMA store is asynchronous and the producer has
-# prefetched the next tile, but the register/TMEM -> smem copy is not hidden.
-EPILOGUE_EXPOSED = 0.5
+# Constants fitted to a real device's measured trials (`tuner calibrate`),
+# per device name: a versioned JSON file that ships with the package, so a
+# fit made on one machine serves every user of that device. $TUNER_CALIBRATION
+# names another file.
+CALIBRATION_ENV = "TUNER_CALIBRATION"
+CALIBRATION_FORMAT = "gemm-tuner-calibration"
+CALIBRATION_VERSION = 1
+_SHIPPED_CALIBRATION = Path(__file__).parent / "data" / "calibration.json"
+# The constants a calibration may set and the range it may set them in: the
+# rates and costs the datasheets do not state (sizes and peaks they do).
+CALIBRATION_BOUNDS = {
+    "mma_efficiency": (0.5, 1.0),
+    "hbm_efficiency": (0.5, 1.0),
+    "kblock_overhead_clk": (4.0, 400.0),
+    "l2_bw": (3e12, 30e12),
+    "sm_load_bytes_per_clk": (32.0, 256.0),
+    "load_latency_us": (0.2, 3.0),
+    "launch_us": (0.5, 10.0),
+    "cta_start_us": (0.1, 5.0),
+    "epilogue_fixed_us": (0.05, 5.0),
+    "epilogue_exposed": (0.05, 1.0),
+    "atomic_claim_us": (0.1, 5.0),
+}
 # Per-tile cost of the static scheduler's index arithmetic.
 STATIC_NEXT_US = 0.02
 # Operands that fit in this share of L2 are read from HBM once per launch.
@@ -208,6 +236,65 @@ def baseline_ms(problem: Key | Problem, device: DeviceModel | None = None) -> fl
     return sum(per_shape[m, k] for m, k in _group_shapes(problem) if m)
 
 
+def calibration_path() -> Path:
+    """The calibration file in effect: $TUNER_CALIBRATION, else the shipped one."""
+    return Path(os.environ.get(CALIBRATION_ENV) or _SHIPPED_CALIBRATION)
+
+
+def device_model(arch: str, device: str | None = None) -> DeviceModel:
+    """The model of `device` (a device name as keys store it): the arch's
+    datasheet model with the constants calibrated for that device, if any."""
+    if arch not in DEVICES:
+        raise ValueError(f"no device model for arch {arch!r}; expected one of {tuple(DEVICES)}")
+    entry = _calibrations(calibration_path()).get(device) if device else None
+    if entry is None or entry["arch"] != arch:
+        return DEVICES[arch]
+    return replace(DEVICES[arch], name=device, **entry["constants"])
+
+
+def read_calibrations(path: Path) -> dict[str, dict]:
+    """Device name -> calibration entry of a calibration file ({} if there is
+    none); a file of another format or with unknown constants is an error
+    naming the file and the field."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a calibration file: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"{path}: format is not {CALIBRATION_FORMAT!r}")
+    if data.get("version") != CALIBRATION_VERSION:
+        raise ValueError(f"{path}: version {data.get('version')!r}, expected {CALIBRATION_VERSION}")
+    devices = data.get("devices")
+    if not isinstance(devices, dict):
+        raise ValueError(f"{path}: 'devices' must be an object")
+    for name, entry in devices.items():
+        where = f"{path}: devices.{name}"
+        if entry.get("arch") not in DEVICES:
+            raise ValueError(f"{where}.arch: expected one of {tuple(DEVICES)}")
+        for field, value in entry.get("constants", {}).items():
+            if field not in CALIBRATION_BOUNDS:
+                raise ValueError(f"{where}.constants.{field}: not a calibrated constant of the model")
+            lo, hi = CALIBRATION_BOUNDS[field]
+            if not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise ValueError(f"{where}.constants.{field}: must be a number in [{lo:g}, {hi:g}]")
+    return devices
+
+
+@lru_cache(maxsize=4)
+def _calibrations_at(path: Path, mtime_ns: int) -> dict[str, dict]:
+    return read_calibrations(path)
+
+
+def _calibrations(path: Path) -> dict[str, dict]:
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return {}
+    return _calibrations_at(path, mtime)
+
+
 class ModelBackend:
     """The analytic model behind the tuner's `Backend` interface.
 
@@ -265,7 +352,8 @@ def _resolve(key_or_problem, device, cfg) -> tuple[Problem, DeviceModel]:
     if device is None:
         if cfg is None and not is_key:
             raise ValueError("a bare Problem names no arch: pass a device model")
-        device = DEVICES[cfg.arch if cfg is not None else key_or_problem.arch]
+        arch = cfg.arch if cfg is not None else key_or_problem.arch
+        device = device_model(arch, key_or_problem.device if is_key else None)
     return problem, device
 
 
@@ -423,7 +511,7 @@ def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tup
         # An atomic worker claims its first tile too; CLC's first is blockIdx.
         first = start + (lat if cfg.scheduler == "dynamic_persistent" else 0.0)
         free = _workers(plan.free_workers, held, first, late_start)
-        tail = [_exposed_epilogue(cfg, s) for s in segs]
+        tail = [_exposed_epilogue(cfg, s, dev) for s in segs]
         if cfg.sched_depth > 1 and len(segs) > 1 and plan.tiles <= EVENT_SIM_MAX_TILES:
             free = _event_sim(free, segs, tail, cfg.sched_depth, lat)
         else:
@@ -451,12 +539,12 @@ def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tup
     return end, detail
 
 
-def _exposed_epilogue(cfg: GemmConfig, s: _Segment) -> float:
+def _exposed_epilogue(cfg: GemmConfig, s: _Segment, dev: DeviceModel) -> float:
     if cfg.arch == "sm100" and cfg.acc_stages > 1:
         # Double-buffered TMEM: the epilogue warps drain one accumulator
         # while the MMA warp fills the next.
         return max(0.0, s.epilogue - s.mainloop)
-    return EPILOGUE_EXPOSED * s.epilogue
+    return dev.epilogue_exposed * s.epilogue
 
 
 def _workers(free_n: int, late_n: int, start: float, late: float) -> np.ndarray:
@@ -472,10 +560,10 @@ def _static(plan: _Plan, cfg: GemmConfig, dev: DeviceModel, start: float, ideal:
     for s in plan.segments:
         last = first + s.tiles
         count = _strided(last, ids, w) - _strided(first, ids, w)
-        busy += count * (s.mainloop + _exposed_epilogue(cfg, s) + STATIC_NEXT_US)
+        busy += count * (s.mainloop + _exposed_epilogue(cfg, s, dev) + STATIC_NEXT_US)
         first = last
     last_seg = plan.segments[-1]
-    busy += np.where(busy > 0, last_seg.epilogue - _exposed_epilogue(cfg, last_seg), 0.0)
+    busy += np.where(busy > 0, last_seg.epilogue - _exposed_epilogue(cfg, last_seg, dev), 0.0)
     resident = plan.free_workers
     ends = start + busy
     if resident < w:

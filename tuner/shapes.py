@@ -83,6 +83,14 @@ def parse_text(text: str, path: str | Path) -> list[ShapeEntry]:
     return entries
 
 
+def parse_key(text: str) -> ShapeEntry:
+    """One key written as a shape file line with a single M (e.g. on a command line)."""
+    entries = _parse_line(text.split("#", 1)[0].strip(), 1)
+    if len(entries) != 1:
+        raise ValueError(f"{text!r} lists {len(entries)} keys; give one M")
+    return entries[0]
+
+
 def _text(path: Path) -> str:
     """The file as text: UTF-8, a leading byte-order mark dropped."""
     data = path.read_bytes()

@@ -41,6 +41,8 @@ from kernels.space import (
     epi_buffers,
     split_k_partials_offset,
 )
+from kernels.trace_device import TileTrace
+from kernels.trace_device import now as trace_now
 
 _WARPS_PER_GROUP = 4
 _THREADS_PER_GROUP = 128
@@ -67,6 +69,8 @@ class Sm90GemmKernel:
 
     def __init__(self, cfg: GemmConfig, layout: str = "tn"):
         self.can_implement(cfg, layout)
+        # Set only while `traced` builds the launch (kernels.trace).
+        self._trace_buf = None
         self.cfg = cfg
         self.layout = layout
         self.sched = SchedulerSpec.from_config(cfg)
@@ -200,7 +204,8 @@ class Sm90GemmKernel:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_a, ta, tma_b, tb, tma_c, tc, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem, sched_buf
+            tma_a, ta, tma_b, tb, tma_c, tc, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem, sched_buf,
+            self._trace_buf,
         ).launch(
             grid=self.sched.grid_shape(grid, max_clusters),
             block=[self.threads, 1, 1],
@@ -208,6 +213,14 @@ class Sm90GemmKernel:
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    @cute.jit
+    def traced(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, sched_buf: cute.Tensor,
+               max_clusters: Int32, trace_buf: cute.Tensor, stream):
+        """The launch of `__call__` with every tile's record written to
+        `trace_buf` (the trace build flag; `kernels.trace`)."""
+        self._trace_buf = trace_buf
+        self.__call__(a, b, c, sched_buf, max_clusters, stream)
 
     def _work_shape(self, c3: cute.Tensor) -> tuple:
         """(M, N, batches) the scheduler walks: K slices are batches of one output."""
@@ -229,6 +242,7 @@ class Sm90GemmKernel:
         b_smem: cute.ComposedLayout,
         c_smem: cute.ComposedLayout,
         sched_buf: cute.Tensor,
+        trace_buf: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -261,6 +275,9 @@ class Sm90GemmKernel:
 
         group_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_GROUP)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+        trace = None
+        if const_expr(trace_buf is not None):
+            trace = TileTrace.create(trace_buf, grid, self.cluster_mn)
 
         if group_idx == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
@@ -277,19 +294,19 @@ class Sm90GemmKernel:
                     work = sched.advance()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:
-                TileScheduler.create(self.sched, grid, ring).serve_claims(sched_buf)
+                TileScheduler.create(self.sched, grid, ring).serve_claims(sched_buf, trace)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(
                 tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
                 TileScheduler.create(self.sched, grid, ring),
-                sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)),
+                sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)), trace,
             )
 
     @cute.jit
     def _consume(
         self, tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx, sched,
-        sched_buf, arrivals,
+        sched_buf, arrivals, trace=None,
     ):
         """Consumer warpgroups: WGMMA over the ring, the split-K fixup, the TMA-store epilogue."""
         mma_tidx = tidx - _THREADS_PER_GROUP
@@ -309,12 +326,17 @@ class Sm90GemmKernel:
         work = sched.initial_work()
         while work.is_valid:
             m, n, l = work.tile
+            if const_expr(trace is not None):
+                start = trace_now()
             read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
             if const_expr(self.split_k > 1):
                 if self._reduce_slices(scratch, acc, scratch.tile_id(m, n), l, mma_tidx, epi.bar):
                     subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, 0)], subtiles_done)
             else:
                 subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
+            if const_expr(trace is not None):
+                if mma_tidx == 0:
+                    trace.record(work.tile, start, trace_now())
             work = sched.advance()
         epi.store_pipe.producer_tail()
 

@@ -40,6 +40,8 @@ from kernels.sm90.gemm import (
     Sm90GemmKernel,
 )
 from kernels.space import EPI_SUBTILE_N, TILE_K, GemmConfig, InvalidConfig
+from kernels.trace_device import TileTrace
+from kernels.trace_device import now as trace_now
 
 # The warp that builds the group table (free before the roles split).
 _TABLE_WARP = 2
@@ -127,7 +129,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         self.shared_storage = SharedStorage
         self.grouped_kernel(
             tma_a, ta, tma_b, tb, tma_c, tc, c3, offs, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem,
-            sched_buf,
+            sched_buf, self._trace_buf,
         ).launch(
             grid=(self.cluster_mn[0] * clusters, self.cluster_mn[1], 1),
             block=[self.threads, 1, 1],
@@ -135,6 +137,13 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    @cute.jit
+    def traced(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, offs: cute.Tensor, sched_buf: cute.Tensor,
+               max_clusters: Int32, trace_buf: cute.Tensor, stream):
+        """`__call__` with every tile's record written to `trace_buf` (`kernels.trace`)."""
+        self._trace_buf = trace_buf
+        self.__call__(a, b, c, offs, sched_buf, max_clusters, stream)
 
     # ------------------------------------------------------------------ device side
 
@@ -154,6 +163,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         b_smem: cute.ComposedLayout,
         c_smem: cute.ComposedLayout,
         sched_buf: cute.Tensor,
+        trace_buf: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -179,6 +189,10 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
 
         group_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_GROUP)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+        trace = None
+        if const_expr(trace_buf is not None):
+            # Slots for every group's tiles up to the largest group's (all rows).
+            trace = TileTrace.create(trace_buf, table, self.cluster_mn)
 
         if group_idx == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
@@ -211,12 +225,12 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                     work = sched.advance()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:
-                GroupedTileScheduler.create(self.sched, table, ring).serve_claims(sched_buf)
+                GroupedTileScheduler.create(self.sched, table, ring).serve_claims(sched_buf, trace)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume_grouped(
                 tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, mA.shape[1], tidx, warp_idx, group_idx,
-                GroupedTileScheduler.create(self.sched, table, ring),
+                GroupedTileScheduler.create(self.sched, table, ring), trace,
             )
 
     def _placement(self, table: GroupTable, m, g, k_packed):
@@ -231,7 +245,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
 
     @cute.jit
     def _consume_grouped(
-        self, tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, k_packed, tidx, warp_idx, group_idx, sched
+        self, tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, k_packed, tidx, warp_idx, group_idx, sched,
+        trace=None,
     ):
         """Consumer warpgroups: the dense mainloop and epilogue at the tile's group coordinates."""
         tm, tn, _ = self.tile_mnk
@@ -253,6 +268,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         while work.is_valid:
             m, n, g = work.tile
             row0, _, k_tiles, _, _, lc, rows_left = self._placement(table, m, g, k_packed)
+            if const_expr(trace is not None):
+                start = trace_now()
             read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
             if rows_left >= tm:
                 gC = cute.local_tile(cute.domain_offset((row0, 0, 0), mC), (tm, tn), (0, n, lc))
@@ -260,6 +277,9 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             else:
                 gC = cute.local_tile(cute.domain_offset((row0, 0, 0), c3), (tm, tn), (0, n, lc))
                 subtiles_done = self._store_rows(epi, s2g, gC, rows_left, n_total - n * tn, subtiles_done)
+            if const_expr(trace is not None):
+                if mma_tidx == 0:
+                    trace.record(work.tile, start, trace_now())
             work = sched.advance()
         epi.store_pipe.producer_tail()
 

@@ -1,0 +1,114 @@
+"""`tuner calibrate`: a database measured by a model whose constants were moved
+must give them back; the model then predicts that device with them."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from db.store import Store
+from kernels.space import GemmConfig
+from tuner.calibration import spearman
+from tuner.key import Key, Problem
+from tuner.model import CALIBRATION_ENV, H100, ModelBackend, predict_ms, read_calibrations
+from tuner.search import Budget, tune_key
+
+ROOT = Path(__file__).resolve().parents[1]
+# The "real" device: constants the datasheet model does not have.
+TRUTH = dict(mma_efficiency=0.72, hbm_efficiency=0.78, kblock_overhead_clk=160, load_latency_us=1.0,
+             launch_us=3.5, atomic_claim_us=2.0, epilogue_exposed=0.85)
+DEVICE = "H100-perturbed"
+FAMILIES = ((4096, 4096), (2048, 1024), (8192, 5376), (1024, 512), (3072, 3072), (5376, 21504))
+
+
+@pytest.fixture(scope="module")
+def measured_db(tmp_path_factory):
+    db = tmp_path_factory.mktemp("cal") / "t.db"
+    backend = ModelBackend("sm90", device=replace(H100, name=DEVICE, **TRUTH))
+    store = Store(str(db))
+    for n, k in FAMILIES:
+        for m in (16, 2048):
+            tune_key(Key("sm90", DEVICE, Problem(m, n, k)), backend, store, Budget(trials=10), name=f"f{n}x{k}")
+    store.close()
+    return db
+
+
+def calibrate(db, cal_file, *args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "calibrate", "--db", str(db), *args], capture_output=True, text=True,
+        cwd=ROOT, env={**os.environ, CALIBRATION_ENV: str(cal_file), "COLUMNS": "100"},
+    )
+    return proc
+
+
+def test_calibrate_recovers_moved_constants_and_the_model_uses_them(measured_db, tmp_path, monkeypatch):
+    cal_file = tmp_path / "calibration.json"
+    proc = calibrate(measured_db, cal_file, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (result,) = json.loads(proc.stdout)
+    assert result["device"] == DEVICE and result["heldout_families"]
+    assert not set(result["heldout_families"]) & set(result["train_families"])
+    before, after = result["before"]["heldout"], result["after"]["heldout"]
+    # The datasheet model is far off this device; the fitted one is not, on
+    # families it never saw.
+    assert before["mean_abs_error"] > 0.15
+    assert after["mean_abs_error"] < 0.05
+    assert after["median_spearman"] >= max(0.97, before["median_spearman"])
+    assert after["mean_pick_slowdown"] <= before["mean_pick_slowdown"] + 1e-9
+    # Constants the trials pin down come back near the truth.
+    fitted = result["constants"]
+    for name in ("launch_us", "atomic_claim_us", "load_latency_us"):
+        assert abs(math.log(fitted[name] / TRUTH[name])) < math.log(1.35), (name, fitted[name])
+
+    stored = read_calibrations(cal_file)[DEVICE]
+    assert stored["constants"] == fitted and stored["arch"] == "sm90"
+    monkeypatch.setenv(CALIBRATION_ENV, str(cal_file))
+    cfg = GemmConfig(scheduler="dynamic_persistent", tile_m=128, tile_n=128, stages=4)
+    p = Problem(512, 2048, 1024)
+    truth = predict_ms(p, cfg, replace(H100, **TRUTH))
+    calibrated = predict_ms(Key("sm90", DEVICE, p), cfg)
+    assert calibrated == predict_ms(p, cfg, replace(H100, **fitted))
+    assert abs(calibrated / truth - 1) < 0.05 < abs(predict_ms(p, cfg, H100) / truth - 1)
+    # Another device keeps the datasheet constants.
+    assert predict_ms(Key("sm90", "some other GPU", p), cfg) == predict_ms(p, cfg, H100)
+
+
+def test_calibrate_prints_a_table_and_rejects_what_it_cannot_fit(measured_db, tmp_path):
+    cal_file = tmp_path / "calibration.json"
+    proc = calibrate(measured_db, cal_file)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "median Spearman" in proc.stdout and "launch_us" in proc.stdout
+    assert all(len(line) <= 80 for line in proc.stdout.splitlines() if not line.startswith("wrote "))
+    proc = calibrate(measured_db, cal_file, "--device", "no such GPU")
+    assert proc.returncode == 2 and "no measured trials of 'no such GPU'" in proc.stdout
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"format": "other", "version": 1, "devices": {}}', "format"),
+    ('{"format": "gemm-tuner-calibration", "version": 9, "devices": {}}', "version 9"),
+    ('{"format": "gemm-tuner-calibration", "version": 1, "devices": {"X": {"arch": "sm90", '
+     '"constants": {"sms": 100}}}}', "devices.X.constants.sms"),
+    ('{"format": "gemm-tuner-calibration", "version": 1, "devices": {"X": {"arch": "sm90", '
+     '"constants": {"launch_us": 1e9}}}}', "devices.X.constants.launch_us"),
+    ("not json", "not a calibration file"),
+])
+def test_a_bad_calibration_file_is_an_error_naming_file_and_field(tmp_path, content, words):
+    path = tmp_path / "c.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=words) as info:
+        read_calibrations(path)
+    assert str(path) in str(info.value)
+
+
+def test_spearman_matches_the_textbook_on_ties_and_orders():
+    assert spearman(np.array([1.0, 2, 3, 4]), np.array([10.0, 20, 30, 40])) == pytest.approx(1.0)
+    assert spearman(np.array([1.0, 2, 3, 4]), np.array([4.0, 3, 2, 1])) == pytest.approx(-1.0)
+    # ranks with ties averaged: x -> 1, 2.5, 2.5, 4; y -> 1, 2, 3, 4
+    assert spearman(np.array([1.0, 2, 2, 3]), np.array([1.0, 2, 3, 4])) == pytest.approx(0.9486833, abs=1e-6)
+    assert math.isnan(spearman(np.array([1.0, 1, 1]), np.array([1.0, 2, 3])))

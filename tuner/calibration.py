@@ -1,0 +1,313 @@
+"""Calibration of the analytic model to a device's measured trials.
+
+The datasheets leave some of the model's rates and costs to estimate
+(`tuner.model.CALIBRATION_BOUNDS`). `calibrate` fits those to the trials a
+database holds for one device, using a fixed part of the device's families
+(a family is a key without M: its keys share shapes, so holding out whole
+families keeps near-copies of the held-out keys out of the fit), and scores
+the model before and after on the families held out:
+
+- per key, the Spearman rank correlation of predicted against measured time
+  over the key's measured configs (the median over keys is reported);
+- per key, how much slower the measured config the model ranks first is than
+  the best measured config (the mean over keys);
+- the mean relative error of the predicted times, and the largest factor by
+  which the modelled cuBLAS misses the measured one.
+
+The fit is a bounded coordinate search on the logarithms of the constants (no
+gradients: the model has maxima, ceilings and a simulation in it) that
+minimises the squared log error of the predicted times, centred per key (the
+part that orders a key's configs) plus a smaller uncentred share (the
+absolute level). A few parameters, each inside its stated range, and the
+held-out score keep it honest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from kernels.space import GemmConfig, InvalidConfig
+from tuner.key import Key
+from tuner.model import (
+    CALIBRATION_BOUNDS, CALIBRATION_FORMAT, CALIBRATION_VERSION, DEVICES, MODEL_VERSION, DeviceModel,
+    baseline_ms, predict_ms, read_calibrations,
+)
+
+BASELINE = "cublas"
+# Every HOLDOUT_EVERY-th family (in an order fixed by a hash of its fields)
+# is held out of the fit.
+HOLDOUT_EVERY = 3
+# Weight of the uncentred log error against the per-key centred one.
+ABSOLUTE_WEIGHT = 0.25
+# Weight of the pick term (a config predicted ahead of the measured best).
+PICK_WEIGHT = 4.0
+# Coordinate search: the first step multiplies a constant by e^0.7 (about 2x),
+# steps halve when no move improves, and stop below e^0.02 (2 %).
+FIRST_STEP, LAST_STEP = 0.7, 0.02
+MAX_EVALUATIONS = 3000
+# Rank metrics need a key with at least this many measured configs.
+MIN_CONFIGS = 3
+
+
+@dataclass(frozen=True)
+class KeySample:
+    """The measured configs of one key (and cuBLAS's time, if measured)."""
+
+    key: Key
+    name: str
+    configs: tuple[GemmConfig, ...]
+    ms: np.ndarray
+    cublas_ms: float | None
+
+
+@dataclass(frozen=True)
+class Score:
+    keys: int                   # keys with enough configs for the rank metrics
+    trials: int
+    median_spearman: float
+    mean_pick_slowdown: float   # fraction: 0.05 is 5 % slower than the best
+    mean_abs_error: float       # mean |predicted / measured - 1| over trials
+    cublas_max_ratio: float | None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str
+    arch: str
+    constants: dict[str, float]        # the fitted values
+    before_constants: dict[str, float]
+    train_families: list[str]
+    heldout_families: list[str]
+    before: dict[str, Score]           # "train" and "heldout"
+    after: dict[str, Score]
+    evaluations: int
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        for which in ("before", "after"):
+            out[which] = {part: asdict(s) for part, s in getattr(self, which).items()}
+        return out
+
+
+def devices(store) -> list[tuple[str, str]]:
+    """(arch, device) of every device with trials, the model's own devices
+    left out (fitting the model to its own output changes nothing)."""
+    own = {d.name for d in DEVICES.values()}
+    found = {(kt.key["arch"], kt.key["device"]) for kt in store.key_trials()}
+    return sorted(d for d in found if d[1] not in own)
+
+
+def samples(store, arch: str, device: str) -> list[KeySample]:
+    """Every key of `device` with a measured config, its verified trials."""
+    out = []
+    for kt in store.key_trials(arch=arch, device=device):
+        configs, times, cublas = [], [], None
+        for t in kt.trials:
+            if not t.ok or t.ms is None or t.ms <= 0:
+                continue
+            if t.config is None:
+                cublas = t.ms
+                continue
+            try:
+                configs.append(GemmConfig.from_dict(t.config))
+            except (InvalidConfig, TypeError):  # a config of an older space
+                continue
+            times.append(t.ms)
+        if configs:
+            out.append(KeySample(Key.from_dict(kt.key), kt.name, tuple(configs), np.array(times), cublas))
+    return out
+
+
+def split(data: list[KeySample], every: int = HOLDOUT_EVERY) -> tuple[list[KeySample], list[KeySample]]:
+    """(train, held out): whole families, every `every`-th of them held out."""
+    families: dict[str, list[KeySample]] = {}
+    for s in data:
+        families.setdefault(_family_label(s), []).append(s)
+    if len(families) < 2:
+        raise ValueError(f"{len(families)} families measured: calibration needs at least 2 "
+                         "(one to fit, one held out to check the fit)")
+    order = sorted(families, key=lambda f: hashlib.sha256(f.encode()).hexdigest())
+    held = set(order[::every])
+    train = [s for f in order if f not in held for s in families[f]]
+    heldout = [s for f in order if f in held for s in families[f]]
+    return train, heldout
+
+
+def predictions(sample: KeySample, device: DeviceModel) -> np.ndarray:
+    """Predicted ms of each config of `sample` (NaN where the model cannot run it)."""
+    out = np.empty(len(sample.configs))
+    for i, cfg in enumerate(sample.configs):
+        try:
+            out[i] = predict_ms(sample.key.problem, cfg, device)
+        except InvalidConfig:
+            out[i] = math.nan
+    return out
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rank correlation (ties get their average rank); NaN when
+    either side is constant."""
+    rx, ry = _ranks(x), _ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum() / denom) if denom else math.nan
+
+
+def score(data: list[KeySample], device: DeviceModel) -> Score:
+    rhos, slowdowns, errors, cublas = [], [], [], []
+    for s in data:
+        pred = predictions(s, device)
+        ok = np.isfinite(pred)
+        meas = s.ms[ok]
+        pred = pred[ok]
+        errors.extend(np.abs(pred / meas - 1.0))
+        if len(meas) >= MIN_CONFIGS:
+            rho = spearman(pred, meas)
+            if not math.isnan(rho):
+                rhos.append(rho)
+            slowdowns.append(float(meas[np.argmin(pred)] / meas.min() - 1.0))
+        if s.cublas_ms is not None:
+            try:
+                ratio = baseline_ms(s.key.problem, device) / s.cublas_ms
+            except InvalidConfig:
+                continue
+            cublas.append(max(ratio, 1.0 / ratio))
+    return Score(
+        keys=len(slowdowns), trials=len(errors),
+        median_spearman=float(np.median(rhos)) if rhos else math.nan,
+        mean_pick_slowdown=float(np.mean(slowdowns)) if slowdowns else math.nan,
+        mean_abs_error=float(np.mean(errors)) if errors else math.nan,
+        cublas_max_ratio=max(cublas) if cublas else None,
+    )
+
+
+def fit(data: list[KeySample], base: DeviceModel) -> tuple[DeviceModel, int]:
+    """`base` with the calibrated constants fitted to `data`; and how many
+    times the model was evaluated over the data."""
+    x = {name: _clip(name, float(getattr(base, name))) for name in CALIBRATION_BOUNDS}
+    evaluations = 0
+
+    def loss(values: dict[str, float]) -> float:
+        nonlocal evaluations
+        evaluations += 1
+        return _loss(data, replace(base, **values))
+
+    best = loss(x)
+    step = FIRST_STEP
+    while step >= LAST_STEP and evaluations < MAX_EVALUATIONS:
+        improved = False
+        for name in CALIBRATION_BOUNDS:
+            for direction in (1.0, -1.0):
+                value = _clip(name, x[name] * math.exp(direction * step))
+                if value == x[name]:
+                    continue
+                trial = {**x, name: value}
+                candidate = loss(trial)
+                if candidate < best:
+                    x, best, improved = trial, candidate, True
+                    break
+        if not improved:
+            step /= 2
+    return replace(base, **x), evaluations
+
+
+def calibrate(store, arch: str, device: str, every: int = HOLDOUT_EVERY) -> Calibration:
+    """Fit `device`'s constants on its training families; score before and after."""
+    data = samples(store, arch, device)
+    if not data:
+        raise ValueError(f"no measured trials of {device} ({arch}) in the database")
+    train, heldout = split(data, every)
+    base = DEVICES[arch]
+    fitted, evaluations = fit(train, base)
+    parts = {"train": train, "heldout": heldout}
+    return Calibration(
+        device=device, arch=arch,
+        constants={n: _round(getattr(fitted, n)) for n in CALIBRATION_BOUNDS},
+        before_constants={n: float(getattr(base, n)) for n in CALIBRATION_BOUNDS},
+        train_families=sorted({_family_label(s) for s in train}),
+        heldout_families=sorted({_family_label(s) for s in heldout}),
+        before={p: score(d, base) for p, d in parts.items()},
+        after={p: score(d, fitted) for p, d in parts.items()},
+        evaluations=evaluations,
+    )
+
+
+def save(path: Path, cal: Calibration) -> None:
+    """Store `cal` as its device's entry of the calibration file at `path`
+    (other devices' entries are kept), atomically."""
+    devices_ = read_calibrations(path)
+    devices_[cal.device] = {
+        "arch": cal.arch,
+        "constants": cal.constants,
+        "model_version": MODEL_VERSION,
+        "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "heldout_families": cal.heldout_families,
+        "before": {p: asdict(s) for p, s in cal.before.items()},
+        "after": {p: asdict(s) for p, s in cal.after.items()},
+    }
+    text = json.dumps({"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
+                       "devices": dict(sorted(devices_.items()))}, indent=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def _loss(data: list[KeySample], device: DeviceModel) -> float:
+    centred = absolute = pick = 0.0
+    count = 0
+    for s in data:
+        pred = predictions(s, device)
+        ok = np.isfinite(pred)
+        if not ok.any():
+            continue
+        lp, lm = np.log(pred[ok]), np.log(s.ms[ok])
+        r = lp - lm
+        centred += float(((r - r.mean()) ** 2).sum())
+        absolute += float((r * r).sum())
+        # The model's pick: a config predicted faster than the measured best
+        # costs what it is slower by, times how far ahead it was predicted.
+        best = int(np.argmin(lm))
+        pick += float((np.maximum(0.0, lp[best] - lp) * (lm - lm[best])).sum())
+        count += int(ok.sum())
+    return (centred + ABSOLUTE_WEIGHT * absolute + PICK_WEIGHT * pick) / max(count, 1)
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    values = x[order]
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and values[j + 1] == values[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def _family_label(s: KeySample) -> str:
+    """The family's shape, readable: N x K (groups, held SMs), dtypes, layout."""
+    p = s.key.problem
+    return f"{p.label().split('x', 1)[1]} {p.dtype_in}>{p.dtype_out} {p.layout}"
+
+
+def _clip(name: str, value: float) -> float:
+    lo, hi = CALIBRATION_BOUNDS[name]
+    return min(hi, max(lo, value))
+
+
+def _round(value: float) -> float:
+    return float(f"{value:.4g}")
