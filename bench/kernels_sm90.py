@@ -9,8 +9,14 @@ scheduler, compiled in parallel up front, then Optuna's TPE; the best config
 is tried under every scheduler, and the two best pool configs and cuBLAS are
 re-measured interleaved. Writes `<out>/<device-slug>-sm90.json` (one record
 per key: cuBLAS and best pool time from that interleaved run, the best time
-of each scheduler, the winner) and prints a markdown table with the geometric
-means of cuBLAS / pool and cuBLAS / dispatch (pool or cuBLAS, whichever won).
+of each scheduler, the winner and its tile) and prints a markdown table with
+the geometric means of cuBLAS / pool and cuBLAS / dispatch (pool or cuBLAS,
+whichever won).
+
+New tile shapes earn their place per key: the best measured config with a
+tile of the old pool (tile_n a multiple of 32, tile_m not 192) and the best
+with a new one are re-measured interleaved; the table names the keys where
+the new tiles win and by how much.
 """
 
 from __future__ import annotations
@@ -58,13 +64,41 @@ def _searched(backend, key: Key, name: str, trials: int, seconds: float | None, 
     try:
         w = tune_key(key, backend, store, Budget(trials=trials, seconds=seconds), name=name,
                      force=not reuse).winner
+        env_id = store.environment(backend.name, key.arch, key.device, backend.versions())
+        trials_ = store.trials(store.key_id(key.to_dict(), name), env_id)
     finally:
         store.close()
     pool = {s: ms for s, ms in w.best_by_scheduler.items() if s != BASELINE}
     best_sched = min(pool, key=pool.get) if pool else None
+    tile = f"{w.config['tile_m']}x{w.config['tile_n']}" if w.config else None
     return {"cublas_ms": w.baseline_ms, "best_ms": pool[best_sched] if pool else None,
             "best_scheduler": best_sched, "dispatch_ms": w.ms, "winner": w.config_name,
-            "winner_config": w.config, "best_by_scheduler": pool, "measured": w.trials}
+            "winner_config": w.config, "winner_tile": tile, "best_by_scheduler": pool,
+            "measured": w.trials, **_old_vs_new_tiles(backend, key, trials_)}
+
+
+def new_tile(config: dict) -> bool:
+    """Whether a config's tile is one the pool gained with the tiles that fit
+    the problem (tile_n not a multiple of 32, or tile_m 192)."""
+    return config["tile_m"] == 192 or config["tile_n"] % 32 != 0
+
+
+def _old_vs_new_tiles(backend, key: Key, trials_) -> dict:
+    """The best measured config with an old tile and with a new one, re-measured interleaved."""
+    from kernels.space import GemmConfig
+
+    best: dict[bool, object] = {}
+    for t in sorted((t for t in trials_ if t.ok and t.config), key=lambda t: t.ms):
+        best.setdefault(new_tile(t.config), t)
+    sides = [best.get(False), best.get(True)]
+    present = [t for t in sides if t is not None]
+    again = backend.remeasure(key, [GemmConfig.from_dict(t.config) for t in present]) if present else []
+    times = {t.config_name: m.ms for t, m in zip(present, again, strict=True) if m.ok}
+    out = {}
+    for label, t in zip(("old_tiles", "new_tiles"), sides, strict=True):
+        out[f"{label}_config"] = t.config_name if t else None
+        out[f"{label}_ms"] = times.get(t.config_name) if t else None
+    return out
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -109,21 +143,33 @@ def _fmt(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.4f}"
 
 
+def _tile_gain(r: dict) -> float | None:
+    """Best old-tile time / best new-tile time of a record (> 1: the new tiles win)."""
+    old, new = r.get("old_tiles_ms"), r.get("new_tiles_ms")
+    return old / new if old and new else None
+
+
 def markdown(records: list[dict]) -> str:
-    head = ["key", "M", "N", "K", "cuBLAS ms", "pool ms", "cuBLAS/pool", *SCHEDULERS, "dispatch"]
+    head = ["key", "M", "N", "K", "cuBLAS ms", "pool ms", "cuBLAS/pool", *SCHEDULERS, "tile",
+            "old/new tiles", "dispatch"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         by = r.get("best_by_scheduler") or {}
         ratio = r["cublas_ms"] / r["best_ms"] if r.get("best_ms") else None
+        gain = _tile_gain(r)
         cells = [r["name"], r["M"], r["N"], r["K"], _fmt(r["cublas_ms"]), _fmt(r["best_ms"]),
                  "-" if ratio is None else f"{ratio:.3f}", *(_fmt(by.get(s)) for s in SCHEDULERS),
-                 r["winner"]]
+                 r.get("winner_tile") or "-", "-" if gain is None else f"{gain:.3f}", r["winner"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     pool = [r["cublas_ms"] / r["best_ms"] for r in records if r.get("best_ms")]
     dispatch = [r["cublas_ms"] / r["dispatch_ms"] for r in records]
     lines.append("")
     lines.append(f"geometric mean cuBLAS/pool {geomean(pool):.3f} over {len(pool)} keys; "
                  f"cuBLAS/dispatch {geomean(dispatch):.3f}, worst key {min(dispatch, default=math.nan):.3f}")
+    wins = [f"{r['name']} M={r['M']} x{_tile_gain(r):.3f} ({r['new_tiles_config']})"
+            for r in records if (_tile_gain(r) or 0) > 1]
+    lines.append("new tiles (tile_n not a multiple of 32, or tile_m 192) beat the best old tile on "
+                 f"{len(wins)} of {len(records)} keys" + (": " + "; ".join(wins) if wins else ""))
     return "\n".join(lines)
 
 

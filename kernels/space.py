@@ -43,19 +43,29 @@ TILE_K = 64
 SMEM_BYTES = {"sm90": 232448, "sm100": 232448}
 # Reserved for mbarriers, the scheduler's smem ring and the CLC response.
 SMEM_RESERVED = 1024
-# The epilogue stages the output through smem in 32-column sub-tiles: two
-# fp32 buffers' worth of bytes, more buffers for narrower outputs (sm90:
-# `epi_buffers`).
-EPI_SUBTILE_N = 32
+# The sm90 epilogue stages the output through smem in sub-tiles of 32
+# columns, or 16 where 32 does not divide tile_n (`epi_subtile_n`): two fp32
+# buffers' worth of bytes, more buffers for narrower outputs (`epi_buffers`).
+EPI_SUBTILE_MAX_N = 32
 EPI_BUFFERS = 2
 # On sm100 an epilogue sub-tile holds 4096 elements whatever the CTA tile
 # (128x32, or 64x64 for 64-row CTA tiles), as the tcgen05 TMEM loads dictate.
 SM100_EPI_SUBTILE_ELEMS = 4096
 # Tensor memory on sm100: 512 columns of 32-bit cells per SM (128 lanes).
 TMEM_COLUMNS = 512
-# Accumulator registers one consumer thread may hold on sm90 (fp32 values);
-# beyond this the consumer warpgroups spill even with setmaxnreg 240.
-SM90_MAX_ACC_PER_THREAD = 128
+# sm90 registers. ptxas gives every thread of the kernel the launch share of
+# the SM's 64K registers (65536 / threads, in steps of 8, at most 255) and
+# allocates the consumers within it whatever setmaxnreg grants later: a
+# consumer thread's fp32 accumulators plus SM90_NON_ACC_REGS (addresses,
+# pipeline state, the WGMMA descriptors) must fit in that share, else ptxas
+# fails ("insufficient registers") or spills: 168 with two consumer
+# warpgroups holds 128 accumulators, 128 with three holds 96 (192x192) but
+# not 112 (192x224). setmaxnreg still moves registers from the producer
+# warpgroup to the consumers, per consumer warpgroups (producer, consumer),
+# within 128 * (producer + consumers * consumer) <= 65536.
+SM90_REGISTERS = 65536
+SM90_NON_ACC_REGS = 32
+SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
 # In-kernel split-K (sm90) works in an int32 scratch buffer: the dynamic
 # scheduler's two counters, one arrival semaphore per CTA tile, then, from a
 # 128-byte boundary, one fp32 partial tile per (CTA tile, K slice).
@@ -67,8 +77,13 @@ MAX_CLUSTER = {"sm90": 4, "sm100": 16}
 _KNOBS = {
     "sm90": {
         "scheduler": SCHEDULERS[:3],
-        "tile_m": (64, 128, 256),
-        "tile_n": (64, 96, 128, 160, 192, 224, 256),
+        # tile_m 192 is three 64-row consumer warpgroups. tile_n: WGMMA takes
+        # any multiple of 8 up to 256, but the TMA load of a K-major B tile
+        # of an odd number of 8-row swizzle atoms (72, 136, 152, 168, ...)
+        # does not build (make_tiled_tma_atom aborts in nvidia-cutlass-dsl
+        # 4.8.1), and the epilogue's stmatrix x4 stores 16 columns: so 16.
+        "tile_m": (64, 128, 192, 256),
+        "tile_n": tuple(range(64, 257, 16)),
         "cluster_m": (1, 2),
         "cluster_n": (1, 2),
         "stages": (2, 3, 4, 5, 6, 7, 8),
@@ -107,8 +122,8 @@ class GemmConfig:
     """One kernel variant of the pool.
 
     tile_m x tile_n is the MMA tile: on sm90 the CTA tile (64 rows per
-    consumer warpgroup, 256 = two warpgroups of 128), on sm100 the tcgen05
-    tile, which spans two CTAs when cta_group == 2.
+    consumer warpgroup up to 192 = three of them, 256 = two warpgroups of
+    128), on sm100 the tcgen05 tile, which spans two CTAs when cta_group == 2.
     sched_depth is how far ahead the atomic scheduler claims (1: when the
     current tile's loads are issued, 2: as they begin) or the CLC
     pipeline depth; it is 1 for schedulers that claim nothing.
@@ -156,7 +171,7 @@ class GemmConfig:
 
     @property
     def consumer_warpgroups(self) -> int:
-        return 1 if self.tile_m == 64 else 2
+        return {64: 1, 192: 3}.get(self.tile_m, 2)
 
     def smem_bytes(self) -> int:
         return smem_bytes(self)
@@ -233,8 +248,25 @@ def smem_bytes(cfg: GemmConfig, dtype_in: str = "bf16") -> int:
     if cfg.arch == "sm100":
         epilogue = SM100_EPI_SUBTILE_ELEMS * DTYPE_BYTES["fp32"] * EPI_BUFFERS
     else:
-        epilogue = cfg.cta_tile_m * EPI_SUBTILE_N * DTYPE_BYTES["fp32"] * EPI_BUFFERS
+        epilogue = cfg.cta_tile_m * epi_subtile_n(cfg) * DTYPE_BYTES["fp32"] * EPI_BUFFERS
     return cfg.stages * stage + epilogue + SMEM_RESERVED
+
+
+def epi_subtile_n(cfg: GemmConfig) -> int:
+    """Columns of one sm90 epilogue sub-tile: the widest multiple of 16 up to
+    `EPI_SUBTILE_MAX_N` that divides tile_n (stmatrix x4 stores 16 a warp)."""
+    return max(w for w in range(16, EPI_SUBTILE_MAX_N + 1, 16) if cfg.tile_n % w == 0)
+
+
+def sm90_registers(cfg: GemmConfig) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg budgets of an sm90 config, per thread."""
+    return SM90_REG_BUDGETS[cfg.consumer_warpgroups]
+
+
+def sm90_launch_registers(cfg: GemmConfig) -> int:
+    """Registers per thread ptxas may allocate an sm90 kernel of `cfg` (its launch share)."""
+    threads = 128 * (1 + cfg.consumer_warpgroups)
+    return min(255, SM90_REGISTERS // threads // 8 * 8)
 
 
 def epi_buffers(out_bits: int) -> int:
@@ -300,6 +332,10 @@ def validate(cfg: GemmConfig) -> None:
         raise InvalidConfig("swizzle groups tiles of a persistent walk; single_tile has none")
     if cfg.split_k > 1 and cfg.tile_m > 128:
         raise InvalidConfig("split-K is for small-M keys: tile_m must be 64 or 128")
+    # The sm90 split-K fixup beside an epilogue of 16-column sub-tiles spills
+    # (128x240, layout nn: 24 bytes of stack); split-K keeps 32-column ones.
+    if cfg.arch == "sm90" and cfg.split_k > 1 and cfg.tile_n % 32:
+        raise InvalidConfig(f"split-K takes a tile_n that is a multiple of 32 on sm90, not {cfg.tile_n}")
 
     if cfg.cluster_size > MAX_CLUSTER[cfg.arch]:
         raise InvalidConfig(
@@ -308,10 +344,13 @@ def validate(cfg: GemmConfig) -> None:
 
     if cfg.arch == "sm90":
         acc_per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.consumer_warpgroups)
-        if acc_per_thread > SM90_MAX_ACC_PER_THREAD:
+        share = sm90_launch_registers(cfg)
+        most = share - SM90_NON_ACC_REGS
+        if acc_per_thread > most:
             raise InvalidConfig(
                 f"tile {cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator registers "
-                f"per consumer thread (max {SM90_MAX_ACC_PER_THREAD})"
+                f"per consumer thread (max {most} of the {share} each of "
+                f"{cfg.consumer_warpgroups} consumer warpgroups' threads gets)"
             )
     else:
         if cfg.cta_group == 1 and cfg.tile_m not in (64, 128):

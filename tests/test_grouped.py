@@ -81,6 +81,8 @@ OFFLINE = [
     # The group table fits beside the most stages an fp32 output leaves room for.
     kc.Variant(GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, stages=4, sched_depth=2),
                "bf16", "fp32", "tn", "rows"),
+    # Three consumer warpgroups, 16-column epilogue sub-tiles (row-masked copies too).
+    _v("rows", scheduler=DYN, tile_m=192, tile_n=176, stages=4),
 ]
 
 
@@ -113,6 +115,7 @@ GPU_CFGS = [
     GemmConfig(scheduler=DYN),
     GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, cluster_m=2),
     GemmConfig(scheduler=STATIC, tile_m=64, tile_n=128, cluster_n=2, swizzle=2),
+    GemmConfig(scheduler=DYN, tile_m=192, tile_n=176, stages=4),
 ]
 
 

@@ -278,3 +278,31 @@ def test_clusters_that_run_at_once_come_from_the_measured_table():
     assert [H100.clusters(s) for s in (1, 2, 4)] == [132, 66, 30]
     assert replace(H100, sms=100).clusters(1) == 100  # a smaller variant caps the table
     assert B200.clusters(8) == 148 // 8  # unmeasured sizes fall back to SMs / size
+
+
+def test_wave_fit_counts_partial_waves_and_edge_tiles():
+    from tuner.model import wave_fit
+
+    p = Problem(512, 5376, 4096)
+    # 128x176: 4 x 31 tiles in one wave of 132, the last column half empty.
+    assert wave_fit(p, 128, 176, 132) == pytest.approx(512 * 5376 / (132 * 128 * 176))
+    # 128x128: 168 tiles, two waves, the second a quarter full.
+    assert wave_fit(p, 128, 128, 132) == pytest.approx(168 / 264)
+    # 33 x 4 whole tiles: one whole wave.
+    assert wave_fit(Problem(4224, 1024, 64), 128, 256, 132) == 1.0
+
+
+def test_the_model_prefers_the_tile_that_fills_the_wave():
+    # Gemma 3 27B o at M = 512 on 132 SMs: one full wave beats 1.27 waves or
+    # a wave with 27 % of the SMs idle.
+    key = Key("sm90", "H100", Problem(512, 5376, 4096))
+    t = {n: predict_ms(key, GemmConfig(tile_m=128, tile_n=n, stages=4, swizzle=4)) for n in (128, 176, 224)}
+    assert t[176] < t[224] < t[128]
+
+
+def test_narrow_epilogue_subtiles_cost_more():
+    key = Key("sm90", "H100", Problem(4096, 4096, 4096))
+    wide = predict_ms(key, GemmConfig(tile_m=128, tile_n=192, stages=4))
+    narrow = predict_ms(key, GemmConfig(tile_m=128, tile_n=176, stages=4))
+    # 176 columns in 11 sub-tiles of 16 against 192 in 6 of 32: more per output column.
+    assert narrow / 176 > wide / 192

@@ -78,3 +78,61 @@ def test_a_config_is_recorded_once_per_key_across_reruns(tmp_path):
     env = store.environment(backend.name, "sm90", backend.device_name, backend.versions())
     names = [t.config_name for t in store.trials(store.key_id(key.to_dict()), env)]
     assert len(names) == len(set(names)) >= 12
+
+
+def _tiles_at(key, cfg) -> int:
+    return -(-key.problem.m // cfg.tile_m) * -(-key.problem.n // cfg.tile_n)
+
+
+def test_first_picks_of_27b_o_at_512_fill_one_wave_with_a_new_width():
+    # Gemma 3 27B o: N = 5376. Multiples of 32 give 96 tiles (128x224: 27 %
+    # of 132 SMs idle) or 168 (128x128: 1.27 waves); 128x176 gives 4 x 31 = 124.
+    key = Key("sm90", "dev", Problem(512, 5376, 4096))
+    picks = model_picks(key)
+    first = picks[0]
+    assert (first.tile_m, first.tile_n) == (128, 176)
+    assert 120 <= _tiles_at(key, first) <= 132
+    assert any(c.tile_n % 32 or c.tile_m == 192 for c in picks[:3])
+
+
+def test_model_ranks_every_tile_shape_before_clusters_and_schedulers():
+    # N = 43008 = 224 x 192: the whole-width tiles come first, not samples.
+    key = Key("sm90", "dev", Problem(512, 43008, 5376))
+    shapes = [(c.tile_m, c.tile_n) for c in model_picks(key)]
+    assert (128, 224) in shapes[:2] and (128, 192) in shapes
+
+
+def test_warm_start_adds_the_wave_fit_tile(tmp_path):
+    from tuner.search import _warm_start
+
+    store = Store(str(tmp_path / "w.db"))
+    try:
+        for (m, n, k), tile in [((512, 5376, 4096), (128, 176)), ((8192, 43008, 5376), (192, 192)),
+                                ((512, 43008, 5376), (128, 224))]:
+            cfgs = _warm_start(Key("sm90", "dev", Problem(m, n, k)), store, "sm90")
+            assert tile in {(c.tile_m, c.tile_n) for c in cfgs}
+            assert len(cfgs) == len(set(cfgs))
+    finally:
+        store.close()
+
+
+def test_sampled_tiles_are_the_buildable_ones_and_the_space_names_the_study():
+    from tuner.search import _choices, _env_tag
+
+    tiles = _choices("sm90")["tile"]
+    assert "128x176" in tiles and "192x192" in tiles
+    assert "192x208" not in tiles and "256x256" not in tiles
+    for tile in tiles:
+        tile_m, tile_n = map(int, tile.split("x"))
+        assert space.is_valid(dict(arch="sm90", tile_m=tile_m, tile_n=tile_n, stages=2))
+    # A study's parameter space is part of its name: a grown pool starts anew.
+    assert _env_tag("gpu", {"torch": "x"}, "sm90") != _env_tag("gpu", {"torch": "x"}, "sm100")
+
+
+def test_picks_stay_cheap_with_the_grown_space():
+    import time
+
+    key = Key("sm90", "dev", Problem(2048, 21504 * 2, 5376))
+    started = time.perf_counter()
+    model_picks(key)
+    assert time.perf_counter() - started < 2.0

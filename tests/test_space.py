@@ -20,7 +20,7 @@ def test_sm90_pool_size_and_scheduler_split():
     # Two claim depths for the atomic scheduler; single_tile has no swizzle.
     assert by_sched["dynamic_persistent"] == 2 * by_sched["static_persistent"]
     assert by_sched["single_tile"] * 4 == by_sched["static_persistent"]
-    assert len(configs) == 37128
+    assert len(configs) == 47528
 
 
 @pytest.mark.parametrize(
@@ -31,6 +31,13 @@ def test_sm90_pool_size_and_scheduler_split():
         dict(tile_m=64, tile_n=256, stages=5, cluster_m=2),
         dict(scheduler="dynamic_persistent", sched_depth=2),
         dict(split_k=4, tile_m=64, tile_n=128),
+        # Widths in steps of 16 (5376 = 30.5 x 176: one wave at M = 512).
+        dict(tile_m=128, tile_n=176, stages=5),
+        dict(tile_m=64, tile_n=80, stages=8),
+        dict(tile_m=256, tile_n=112, stages=4),
+        # Three 64-row consumer warpgroups: 96 accumulators fit 128 registers.
+        dict(tile_m=192, tile_n=192, stages=3),
+        dict(tile_m=192, tile_n=128, stages=4, scheduler="dynamic_persistent", cluster_m=2),
         dict(arch="sm100", tile_m=256, tile_n=256, cta_group=2, cluster_m=2, acc_stages=2, stages=4),
         dict(arch="sm100", scheduler="clc", sched_depth=3, tail_cancel=True, cluster_m=4, cluster_n=4),
         dict(arch="sm100", tile_m=64, tile_n=32, stages=8, acc_stages=4),
@@ -52,6 +59,16 @@ def test_accepted(fields):
         (dict(scheduler="single_tile", swizzle=4), "single_tile"),
         (dict(cluster_m=2, cluster_n=4), "cluster_n=4"),
         (dict(tile_n=72), "tile_n=72"),
+        # An odd multiple of 8: the K-major B TMA load does not build.
+        (dict(tile_n=168), "tile_n=168"),
+        (dict(tile_n=48), "tile_n=48"),
+        (dict(tile_m=96), "tile_m=96"),
+        # 512 threads get 128 registers each: 112 accumulators do not fit.
+        (dict(tile_m=192, tile_n=208), "accumulator registers"),
+        (dict(tile_m=256, tile_n=144), "accumulator registers"),
+        (dict(tile_m=192, tile_n=128, stages=5), "shared memory"),
+        (dict(split_k=2, tile_m=192, tile_n=64), "split-K"),
+        (dict(split_k=2, tile_m=128, tile_n=240), "multiple of 32"),
         (dict(split_k=2, tile_m=256, tile_n=64), "split-K"),
         (dict(arch="sm100", cta_group=2, tile_m=256, cluster_m=1), "even cluster_m"),
         (dict(arch="sm100", cta_group=1, tile_m=256), "1-CTA"),
@@ -65,6 +82,26 @@ def test_accepted(fields):
 def test_rejected(fields, reason):
     with pytest.raises(InvalidConfig, match=reason.replace("(", r"\(").replace("'", ".")):
         GemmConfig(**fields)
+
+
+def test_epilogue_subtiles_divide_every_width_and_smem_counts_them():
+    for tile_n in space.knobs("sm90")["tile_n"]:
+        cfg = GemmConfig(tile_m=64, tile_n=tile_n, stages=2)
+        width = space.epi_subtile_n(cfg)
+        assert tile_n % width == 0 and width % 16 == 0
+        # Stages of A and B, two fp32 epilogue buffers, the reserve: exact.
+        assert cfg.smem_bytes() == 2 * (64 + tile_n) * 64 * 2 + 64 * width * 4 * 2 + space.SMEM_RESERVED
+    assert space.epi_subtile_n(GemmConfig(tile_n=176, stages=2)) == 16
+    assert space.epi_subtile_n(GemmConfig(tile_n=224, stages=2)) == 32
+
+
+def test_register_budgets_fit_the_register_file():
+    for groups, (producer, consumer) in space.SM90_REG_BUDGETS.items():
+        assert 128 * (producer + groups * consumer) <= space.SM90_REGISTERS
+        assert producer % 8 == 0 and consumer % 8 == 0 and 24 <= producer and consumer <= 256
+    three = GemmConfig(tile_m=192, tile_n=128, stages=2)
+    assert three.consumer_warpgroups == 3 and space.sm90_launch_registers(three) == 128
+    assert space.sm90_launch_registers(GemmConfig(stages=2)) == 168
 
 
 def test_smem_budget_is_the_stage_limit():

@@ -58,12 +58,12 @@ from pathlib import Path
 import numpy as np
 
 from kernels.space import (
-    DTYPE_BYTES, TILE_K, GemmConfig, InvalidConfig, check_problem, smem_bytes,
+    DTYPE_BYTES, TILE_K, GemmConfig, InvalidConfig, check_problem, epi_subtile_n, smem_bytes,
 )
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
 
-MODEL_VERSION = "2"
+MODEL_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,10 @@ CALIBRATION_BOUNDS = {
 }
 # Per-tile cost of the static scheduler's index arithmetic.
 STATIC_NEXT_US = 0.02
+# Per sm90 epilogue sub-tile: two named barriers of the consumer warpgroups
+# and a TMA store issue (an estimate, ~100 clocks): 16-column sub-tiles of a
+# width 32 does not divide cost twice as many.
+EPI_SUBTILE_US = 0.05
 # Operands that fit in this share of L2 are read from HBM once per launch.
 L2_RESIDENT_SHARE = 0.5
 # seed 002's tail cancel: cancel requests per padded claim, by how many times
@@ -218,6 +222,17 @@ def predict_ms(
     does not change. Raises InvalidConfig if `cfg` cannot run the problem.
     """
     return _predict(key_or_problem, cfg, device, padding)[0]
+
+
+def wave_fit(problem: Problem, tile_m: int, tile_n: int, sms: int) -> float:
+    """Share of the SM time a launch of `tile_m` x `tile_n` tiles spends on
+    real output: the partial last wave and the padding of edge tiles both
+    waste (1.0: whole waves of whole tiles). Grouped problems count each
+    group's tiles."""
+    rows = [m for m, _ in _group_shapes(problem) if m]
+    tiles = sum(_cdiv(m, tile_m) for m in rows) * _cdiv(problem.n, tile_n)
+    slots = _cdiv(tiles, sms) * sms
+    return sum(rows) * problem.n / (slots * tile_m * tile_n)
 
 
 def baseline_ms(problem: Key | Problem, device: DeviceModel | None = None) -> float:
@@ -457,6 +472,8 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     out_bytes = 4 if cfg.split_k > 1 else DTYPE_BYTES[p.dtype_out]
     c_per_sm = min(cm, m) * min(cn, p.n) * out_bytes / cs
     epilogue = dev.epilogue_fixed_us + c_per_sm / min(sm_bw, hbm_share) * 1e6
+    if cfg.arch == "sm90":
+        epilogue += cfg.tile_n // epi_subtile_n(cfg) * EPI_SUBTILE_US
     # The producer warp issues a tile's last load stages - 1 k-blocks before
     # the MMA consumes it: a depth-1 claim made then is answered meanwhile.
     lead = min(kblocks, cfg.stages - 1) * terms[bound]

@@ -9,10 +9,10 @@ never timed twice for a key, and the winner is chosen from verified rows only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
-import random
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -30,10 +30,17 @@ BASELINE = "cublas"
 # Nearest tuned keys whose winners seed a new study.
 WARM_START_KEYS = 3
 # A measured (not modelled) study starts from the configs the analytic model
-# ranks best: this many, out of at most MODEL_RANKED samples of the tile /
-# cluster / split-K combinations (other knobs at sound values).
+# ranks best: this many. The model first ranks every tile and split-K shape
+# (static scheduler, no cluster), then every scheduler and cluster of the
+# MODEL_SHORTLIST best shapes (other knobs at sound values).
 MODEL_PICKS = 6
-MODEL_RANKED = 1500
+MODEL_SHORTLIST = 16
+# The warm start's wave-fit tile: the largest tile (no smaller than the
+# default 128x128) that fills whole waves within WAVE_FIT_SLACK of the best
+# filling tile. Smaller tiles fill waves more easily but lose per-FLOP
+# efficiency; finer trade-offs are the model's to weigh.
+WAVE_FIT_MIN_AREA = 128 * 128
+WAVE_FIT_SLACK = 0.05
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
 MAX_SAMPLES_PER_TRIAL = 20
@@ -107,7 +114,7 @@ def tune_key(
         raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed: {baseline.error}")
 
     study = optuna.create_study(
-        study_name=f"{key.study_name()}:{_env_tag(backend.name, versions)}",
+        study_name=f"{key.study_name()}:{_env_tag(backend.name, versions, key.arch)}",
         storage=store.optuna_storage(),
         sampler=optuna.samplers.TPESampler(
             seed=_seed(key.study_name()), multivariate=True, group=True, constant_liar=True,
@@ -262,17 +269,35 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
 _PAIRS = {"tile": ("tile_m", "tile_n"), "cluster": ("cluster_m", "cluster_n")}
 
 
+@functools.cache
 def _choices(arch: str) -> dict[str, tuple]:
-    """The sampled parameters of `arch` and their values (single-valued knobs left out)."""
+    """The sampled parameters of `arch` and their values (single-valued knobs
+    left out); tile shapes that no config can build (accumulators beyond the
+    registers) are not offered."""
     knobs = space.knobs(arch)
     out = {}
     for pair, (first, second) in _PAIRS.items():
-        out[pair] = tuple(f"{a}x{b}" for a in knobs[first] for b in knobs[second])
+        out[pair] = tuple(
+            f"{a}x{b}" for a in knobs[first] for b in knobs[second]
+            if pair != "tile" or _buildable_tile(arch, a, b)
+        )
     for name, choices in knobs.items():
         paired = any(name in names for names in _PAIRS.values())
         if name != "scheduler" and not paired and len(choices) > 1:
             out[name] = choices
     return out
+
+
+def _buildable_tile(arch: str, tile_m: int, tile_n: int) -> bool:
+    """Whether some config of `arch` has this MMA tile (at its fewest stages)."""
+    knobs = space.knobs(arch)
+    fewest = min(knobs["stages"])
+    for cta_group in knobs["cta_group"]:
+        fields = dict(arch=arch, tile_m=tile_m, tile_n=tile_n, stages=fewest, cta_group=cta_group,
+                      cluster_m=cta_group)
+        if space.is_valid(fields):
+            return True
+    return False
 
 
 def _params(cfg: GemmConfig) -> dict:
@@ -287,9 +312,13 @@ def _params(cfg: GemmConfig) -> dict:
 
 
 def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
-    """A default per scheduler, then the winners of the nearest tuned keys."""
+    """A default per scheduler, the tile that best fills whole waves of the
+    key, then the winners of the nearest tuned keys."""
     p = key.problem
     candidates = list(space.defaults(arch).values())
+    fit = _wave_fit_config(key)
+    if fit is not None:
+        candidates.append(fit)
     near = store.winners(
         limit=10_000, arch=key.arch, device=key.device, dtype_in=p.dtype_in,
         dtype_out=p.dtype_out, layout=p.layout,
@@ -312,22 +341,78 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     return out
 
 
+def _wave_fit_config(key: Key) -> GemmConfig | None:
+    """A static persistent config of the wave-fit tile of `key` (see
+    WAVE_FIT_SLACK): little SM time lost to a partial last wave or to edge
+    tiles. None if no such tile runs the key."""
+    from tuner.model import DEVICES, wave_fit
+
+    p = key.problem
+    sms = DEVICES[key.arch].sms
+    fits = []
+    for tile in _choices(key.arch)["tile"]:
+        tile_m, tile_n = map(int, tile.split("x"))
+        if tile_m * tile_n < WAVE_FIT_MIN_AREA:
+            continue
+        cfg = _deepest(dict(arch=key.arch, scheduler="static_persistent", swizzle=4, tile_m=tile_m,
+                            tile_n=tile_n, **_cta_pair(key.arch, tile_m)))
+        if cfg is not None and p.runs(cfg):
+            fits.append((wave_fit(p, tile_m, tile_n, sms), cfg))
+    if not fits:
+        return None
+    best = max(fit for fit, _ in fits)
+    close = [(cfg.tile_m * cfg.tile_n, fit, cfg) for fit, cfg in fits if fit >= best * (1 - WAVE_FIT_SLACK)]
+    return max(close, key=lambda c: c[:2])[2]
+
+
+def _cta_pair(arch: str, tile_m: int) -> dict:
+    """The tcgen05 CTA grouping a tile_m needs (sm100: 256 rows span two CTAs)."""
+    if arch == "sm100" and tile_m == 256:
+        return {"cta_group": 2, "cluster_m": 2}
+    return {}
+
+
 def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     """The `count` configs the analytic model predicts fastest for `key`, best
     first, one per tile and split-K shape (with its best cluster): the model ranks shapes
     better than it ranks schedulers, and the search tries the best measured
-    shape under every scheduler anyway."""
+    shape under every scheduler anyway.
+
+    Every tile and split-K shape is ranked first (static persistent, the
+    smallest cluster: the model's wave quantization and edge-tile waste
+    decide), then every scheduler and cluster of the MODEL_SHORTLIST best.
+    """
+    knobs = space.knobs(key.arch)
+    shapes = [
+        (tile, split_k, cta_group)
+        for tile in _choices(key.arch)["tile"] for split_k in knobs["split_k"] for cta_group in knobs["cta_group"]
+    ]
+    # The smallest cluster each shape takes (a 2-CTA MMA spans a pair).
+    first = _scored(key, [("static_persistent", shape, f"{shape[2]}x1") for shape in shapes])
+    shortlist = []
+    for _, cfg in first:
+        shape = (f"{cfg.tile_m}x{cfg.tile_n}", cfg.split_k, cfg.cta_group)
+        if shape not in shortlist:
+            shortlist.append(shape)
+    shortlist = shortlist[:MODEL_SHORTLIST]
+    scored = _scored(key, itertools.product(knobs["scheduler"], shortlist, _choices(key.arch)["cluster"]))
+    shapes: set[tuple] = set()
+    out = []
+    for _, cfg in scored:
+        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group)
+        if shape not in shapes and len(out) < count:
+            shapes.add(shape)
+            out.append(cfg)
+    return out
+
+
+def _scored(key: Key, combos) -> list[tuple[float, GemmConfig]]:
+    """(predicted ms, config) of every (scheduler, (tile, split_k, cta_group),
+    cluster) that runs `key`, at its deepest pipeline, fastest first."""
     from tuner.model import predict_ms
 
-    knobs = space.knobs(key.arch)
-    combos = list(itertools.product(
-        knobs["scheduler"], _choices(key.arch)["tile"], _choices(key.arch)["cluster"],
-        knobs["split_k"], knobs["cta_group"],
-    ))
-    if len(combos) > MODEL_RANKED:
-        combos = random.Random(_seed(key.study_name())).sample(combos, MODEL_RANKED)
     scored: list[tuple[float, GemmConfig]] = []
-    for sched, tile, cluster, split_k, cta_group in combos:
+    for sched, (tile, split_k, cta_group), cluster in combos:
         cfg = _deepest(dict(
             arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group,
             swizzle=1 if sched == "single_tile" else 4,
@@ -341,14 +426,7 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
         except InvalidConfig:
             continue
     scored.sort(key=lambda pair: pair[0])
-    shapes: set[tuple] = set()
-    out = []
-    for _, cfg in scored:
-        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group)
-        if shape not in shapes and len(out) < count:
-            shapes.add(shape)
-            out.append(cfg)
-    return out
+    return scored
 
 
 def _deepest(fields: dict) -> GemmConfig | None:
@@ -366,6 +444,9 @@ def _seed(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
 
 
-def _env_tag(backend: str, versions: dict[str, str]) -> str:
-    text = backend + repr(sorted(versions.items()))
+def _env_tag(backend: str, versions: dict[str, str], arch: str) -> str:
+    # The sampled space is part of a study: Optuna refuses a parameter whose
+    # choices changed, so a pool that grew starts new studies (the trials
+    # measured before stay in our trial table and are not timed again).
+    text = backend + repr(sorted(versions.items())) + repr(sorted(_choices(arch).items()))
     return hashlib.sha256(text.encode()).hexdigest()[:10]

@@ -6,10 +6,10 @@ K-major ("tn", an nn.Linear weight: out = x @ W.T) or (K, N) N-major ("nn").
 Warp roles of a CTA: warpgroup 0 holds the TMA producer warp (A and B
 k-blocks into a `stages`-deep mbarrier ring, multicast across the cluster)
 and the scheduler warp (dynamic scheduler only); one consumer warpgroup
-(tile_m 64) or two (tile_m 128: 64 rows each, 256: 128 rows each) run WGMMA
-and the epilogue, which goes registers -> smem -> global by TMA stores in
-(tile_m x 32) sub-tiles. Every role walks the tiles given by
-`kernels.schedulers`.
+(tile_m 64), two (tile_m 128: 64 rows each, 256: 128 rows each) or three
+(tile_m 192: 64 rows each) run WGMMA and the epilogue, which goes registers
+-> smem -> global by TMA stores in (tile_m x `epi_subtile_n`) sub-tiles.
+Every role walks the tiles given by `kernels.schedulers`.
 
 Split-K walks K slices as batches: with S = split_k the kernel sees A as
 (M, K/S, S) and B as (N, K/S, S), and reduces in the kernel. Every slice
@@ -33,12 +33,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.space import (
-    EPI_SUBTILE_N,
     SPLIT_K_COUNTERS,
     TILE_K,
     GemmConfig,
     InvalidConfig,
     epi_buffers,
+    epi_subtile_n,
+    sm90_registers,
     split_k_partials_offset,
 )
 from kernels.trace_device import TileTrace
@@ -48,10 +49,6 @@ _WARPS_PER_GROUP = 4
 _THREADS_PER_GROUP = 128
 _LOAD_WARP = 0
 _SCHED_WARP = 1
-# setmaxnreg budgets (per thread): the producer warpgroup gives registers to
-# the consumers, which hold up to 128 fp32 accumulators each.
-_PRODUCER_REGS = 40
-_CONSUMER_REGS = 232
 _SMEM_ALIGN = 1024
 _EPILOGUE_BARRIER_ID = 1
 
@@ -81,10 +78,13 @@ class Sm90GemmKernel:
         self.mma_groups = cfg.consumer_warpgroups
         self.threads = (1 + self.mma_groups) * _THREADS_PER_GROUP
         self.mma_threads = self.mma_groups * _THREADS_PER_GROUP
+        # setmaxnreg budgets: the producer warpgroup gives registers to the
+        # consumers, which hold the accumulators (`kernels.space` sizes them).
+        self.producer_regs, self.consumer_regs = sm90_registers(cfg)
         # Ring consumers per CTA: the load warp and every consumer warp.
         self.ring_consumer_warps = 1 + self.mma_groups * _WARPS_PER_GROUP
         self.ring_words = ClaimRing.storage_words(self.sched)
-        self.epi_tile = (cfg.tile_m, EPI_SUBTILE_N)
+        self.epi_tile = (cfg.tile_m, epi_subtile_n(cfg))
 
     @staticmethod
     def can_implement(cfg: GemmConfig, layout: str) -> None:
@@ -280,7 +280,7 @@ class Sm90GemmKernel:
             trace = TileTrace.create(trace_buf, grid, self.cluster_mn)
 
         if group_idx == 0:
-            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == _LOAD_WARP:
                 sched = TileScheduler.create(self.sched, grid, ring)
                 work = sched.initial_work()
@@ -296,7 +296,7 @@ class Sm90GemmKernel:
             if warp_idx == _SCHED_WARP:
                 TileScheduler.create(self.sched, grid, ring).serve_claims(sched_buf, trace)
         else:
-            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
                 tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
                 TileScheduler.create(self.sched, grid, ring),

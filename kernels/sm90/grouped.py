@@ -31,15 +31,13 @@ from kernels.group_table import GroupedTileScheduler, GroupTable
 from kernels.grouped import FORMS, MAX_GROUPS
 from kernels.sm90.gemm import (
     _LOAD_WARP,
-    _PRODUCER_REGS,
-    _CONSUMER_REGS,
     _SCHED_WARP,
     _SMEM_ALIGN,
     _THREADS_PER_GROUP,
     _WARPS_PER_GROUP,
     Sm90GemmKernel,
 )
-from kernels.space import EPI_SUBTILE_N, TILE_K, GemmConfig, InvalidConfig
+from kernels.space import TILE_K, GemmConfig, InvalidConfig
 from kernels.trace_device import TileTrace
 from kernels.trace_device import now as trace_now
 
@@ -195,7 +193,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             trace = TileTrace.create(trace_buf, table, self.cluster_mn)
 
         if group_idx == 0:
-            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == _LOAD_WARP:
                 sched = GroupedTileScheduler.create(self.sched, table, ring)
                 work = sched.initial_work()
@@ -227,7 +225,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             if warp_idx == _SCHED_WARP:
                 GroupedTileScheduler.create(self.sched, table, ring).serve_claims(sched_buf, trace)
         else:
-            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume_grouped(
                 tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, mA.shape[1], tidx, warp_idx, group_idx,
                 GroupedTileScheduler.create(self.sched, table, ring), trace,
@@ -286,7 +284,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
     def _row_copy(self, mma_tidx):
         """This thread's slice of a 16-byte-per-thread copy of an epilogue sub-tile, row by row."""
         vec = 128 // self.c_dtype.width
-        per_row = EPI_SUBTILE_N // vec
+        per_row = self.epi_tile[1] // vec
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype, num_bits_per_copy=128)
         threads = cute.make_ordered_layout((self.mma_threads // per_row, per_row), order=(1, 0))
         return atom, cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec))).get_slice(mma_tidx)
@@ -308,7 +306,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             store_pipe.producer_tail()
         e.bar.arrive_and_wait()
         coords = cute.make_identity_tensor((tm, tn))
-        subtiles = tn // EPI_SUBTILE_N
+        subtiles = tn // self.epi_tile[1]
         for sub in cutlass.range_constexpr(subtiles):
             buf = (subtiles_done + sub) % self.epi_stages
             self._stage_subtile(e, sub, buf)
