@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Boolean, Int32, const_expr
+from cutlass import Boolean, Int32, Int64, const_expr
 
 from kernels.trace_device import now as _trace_now
 
@@ -341,14 +341,14 @@ class TileScheduler:
                     cute.arch.mbarrier_arrive(self._ring.request)
 
     @cute.jit
-    def _trace_claim(self, trace, idx: Int32, asked) -> None:
+    def _trace_claim(self, trace, idx: Int32, asked, writer) -> None:
         """Record the claim of work index `idx` (asked at `asked`) in the
-        trace record of the tile it gives this (the leader) CTA; the tile is
-        decoded before the clock is read again, so the read waits for the
-        atomic's answer."""
+        trace record of the tile it gives this (the leader) CTA; the whole
+        warp calls it, the `writer` lane writes."""
         work = type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
-        if work.is_valid:
-            trace.claim(work.tile, _trace_now() - asked)
+        if writer:
+            if work.is_valid:
+                trace.claim(work.tile, _trace_now() - asked)
 
     @cute.jit
     def serve_claims(self, counter: cute.Tensor, trace=None) -> None:
@@ -376,13 +376,18 @@ class TileScheduler:
                     cute.arch.mbarrier_wait(self._ring.request, phase)
                     phase = phase ^ 1
                     claimed = Int32(0)
+                    if const_expr(trace is not None):
+                        asked = Int64(0)
                     if lane == 0:
                         if const_expr(trace is not None):
                             asked = _trace_now()
                         claimed = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
-                        if const_expr(trace is not None):
-                            self._trace_claim(trace, claimed + self.num_clusters, asked)
                     nxt = cute.arch.shuffle_sync(claimed, 0) + self.num_clusters
+                    if const_expr(trace is not None):
+                        # The whole warp decodes the tile (its warp-uniform
+                        # hints are warp collectives: inside the lane-0 branch
+                        # they hang); the shuffle waited for the atomic's answer.
+                        self._trace_claim(trace, nxt, asked, lane == 0)
                     self._ring.publish(state, nxt)
                     state.advance()
                 self._ring.pipe.producer_tail(state)
