@@ -20,15 +20,17 @@ downloaded).
    no cache, logits of the last position; tokens/s = batch x seq / time) and
    decode at each batch (`--steps` greedy one-token steps into a static KV
    cache after a `--prompt`-token prefill that is not timed; tokens/s =
-   batch x steps / time), each unpatched and patched (one model:
-   `patch`/`unpatch` swap its layers' class), eager and under
-   `torch.compile(model)` (compiled anew for each case, so for its static
-   shapes; one graph per variant, guarded on the layers' class). Layers with
-   a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by default. The
-   two variants alternate, each round timing one prefill or one decode loop
-   on the host clock after a sync (the host's cost is part of what a user
-   waits for); the speedup is patched over unpatched tokens/s, a trimmed mean
-   of the rounds' paired log ratios (as `bench.dynamic_m`).
+   batch x steps / time), each unpatched and patched, eager and under
+   `torch.compile` (compiled anew for each case, so for its static shapes).
+   The variants are two copies of the model with the same weights, one
+   patched once, as a user patches once and then runs: toggling one model
+   between the variants would time the first call after each `patch`
+   (a dynamo guard miss, the layers' launch caches refilled) instead.
+   Layers with a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by
+   default. The two variants alternate, each round timing one prefill or one
+   decode loop on the host clock after a sync (the host's cost is part of
+   what a user waits for); the speedup is patched over unpatched tokens/s, a
+   trimmed mean of the rounds' paired log ratios (as `bench.dynamic_m`).
 3. Outputs: patched logits against unpatched ones (relative Frobenius error of
    the prefill logits and of the first decode step's) and the share of
    greedy decode tokens that agree.
@@ -44,6 +46,7 @@ their family's kernel intervals).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -60,7 +63,7 @@ import torch
 from bench.dynamic_m import compile_choices
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner import dispatch, patch, unpatch
+from tuner import dispatch, patch
 from tuner.linears import build_model, linear_shapes
 from tuner.measure import trimmed_mean
 
@@ -100,12 +103,6 @@ def tune(args: argparse.Namespace) -> None:
     os.unlink(f.name)
 
 
-def _set(model, variant: str) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # bench_model records what patch says, once
-        (patch if variant == "patched" else unpatch)(model)
-
-
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.float(), want.float()
     return (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
@@ -119,33 +116,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _paired(model, run, rounds: int, prepare=lambda: None) -> dict:
-    """Seconds of `run` per variant (`prepare` untimed before each), alternating
-    which goes first, and the speedup."""
+def _paired(fns: dict, run, rounds: int, prepare=lambda: None) -> dict:
+    """Seconds of `run(fn)` per variant's callable (`prepare` untimed before
+    each), alternating which goes first, and the speedup."""
     times = {v: [] for v in VARIANTS}
     for variant in VARIANTS:  # warm-up: compiles, decides and builds
-        _set(model, variant)
         for _ in range(2):
             prepare()
-            run()
+            run(fns[variant])
     for r in range(rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            _set(model, variant)
             prepare()
-            times[variant].append(_timed(run))
+            times[variant].append(_timed(lambda: run(fns[variant])))
     logs = [math.log(u / p) for u, p in zip(times["unpatched"], times["patched"])]
     return {"s": {v: trimmed_mean(t) for v, t in times.items()}, "speedup": math.exp(trimmed_mean(logs)),
             "spread": statistics.pstdev(logs)}
 
 
-def _modes(model, modes: list[str]):
-    """(mode, callable) pairs; the compiled one starts from an empty dynamo cache,
-    so each case compiles for its own static shapes."""
+def _modes(models: dict, modes: list[str]):
+    """(mode, {variant: callable}) pairs; the compiled ones start from an
+    empty dynamo cache, so each case compiles for its own static shapes."""
     if "eager" in modes:
-        yield "eager", model
+        yield "eager", models
     if "compiled" in modes:
         torch._dynamo.reset()
-        yield "compiled", torch.compile(model)
+        yield "compiled", {v: torch.compile(m) for v, m in models.items()}
 
 
 def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: int) -> tuple[int, int]:
@@ -160,10 +155,12 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     """The model's cases; `checkpoint(record)` after each (a run cut short keeps what it measured)."""
     torch.manual_seed(0)
     model = build_model(name, num_layers=args.layers, device=DEVICE, dtype=torch.bfloat16)
+    tuned = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        patch(model)
-    spans = {name: m.tuner_spans for name, m in model.named_modules() if hasattr(m, "tuner_spans")}
+        patch(tuned)
+    models = {"unpatched": model, "patched": tuned}
+    spans = {name: m.tuner_spans for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     record = {"model": name, "layers": args.layers, "patch_warnings": [str(w.message) for w in caught],
               "families": [{"n": s.n, "k": s.k, "names": list(s.names)} for s in linear_shapes(model)],
@@ -177,35 +174,33 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
         for batch, seq in args.prefill:
             ids = torch.randint(0, vocab, (batch, seq), device=DEVICE, generator=gen)
             case = {"batch": batch, "seq": seq, "kernel_calls": _kernel_calls(spans, linears, batch * seq, batch)}
-            unpatch(model)
             want = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
-            for mode, fn in _modes(model, args.modes):
-                run = lambda: fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
-                timing = _paired(model, run, args.rounds)
-                _set(model, "patched")
+            for mode, fns in _modes(models, args.modes):
+                run = lambda fn: fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
+                timing = _paired(fns, run, args.rounds)
                 case[mode] = {
                     "tokens_per_s": {v: batch * seq / s for v, s in timing["s"].items()},
                     "speedup": timing["speedup"], "log_spread": timing["spread"],
-                    "rel_err": _rel_err(run(), want),
+                    "rel_err": _rel_err(run(fns["patched"]), want),
                 }
             _report(name, f"prefill {batch}x{seq}", case)
             record["prefill"].append(case)
             checkpoint(record)
         for batch in args.decode:
-            record["decode"].append(_decode_case(model, batch, vocab, gen, args))
+            record["decode"].append(_decode_case(models, batch, vocab, gen, args))
             record["decode"][-1]["kernel_calls"] = _kernel_calls(spans, linears, batch, batch)
             _report(name, f"decode {batch}", record["decode"][-1])
             checkpoint(record)
-    unpatch(model)
-    del model
+    del model, tuned, models
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return record
 
 
-def _decode_case(model, batch: int, vocab: int, gen, args) -> dict:
+def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
     from transformers import StaticCache
 
+    model = models["unpatched"]
     prompt = torch.randint(0, vocab, (batch, args.prompt), device=DEVICE, generator=gen)
     first = torch.randint(0, vocab, (batch, 1), device=DEVICE, generator=gen)
     cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.steps)
@@ -226,15 +221,13 @@ def _decode_case(model, batch: int, vocab: int, gen, args) -> dict:
             tokens.append(token)
         return logits, torch.cat(tokens, 1)
 
-    unpatch(model)
     prefill()
     want_logits, want_tokens = loop(model)
     case = {"batch": batch, "prompt": args.prompt, "steps": args.steps}
-    for mode, fn in _modes(model, args.modes):
-        timing = _paired(model, lambda: loop(fn), args.rounds, prefill)
-        _set(model, "patched")
+    for mode, fns in _modes(models, args.modes):
+        timing = _paired(fns, loop, args.rounds, prefill)
         prefill()
-        logits, tokens = loop(fn)
+        logits, tokens = loop(fns["patched"])
         case[mode] = {
             "tokens_per_s": {v: batch * args.steps / s for v, s in timing["s"].items()},
             "speedup": timing["speedup"], "log_spread": timing["spread"],
