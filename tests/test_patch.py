@@ -99,7 +99,7 @@ def test_only_m_inside_the_kernel_spans_goes_to_gemm_and_outputs_match(spy):
     assert type(net[0]) is nn.Linear  # the context restored it
 
 
-def test_autograd_and_other_input_dtypes_run_f_linear(spy):
+def test_autograd_other_input_dtypes_and_strided_rows_run_f_linear(spy):
     calls, spans = spy
     net = _net()
     spans[(128, 64)] = ((1, 1 << 20),)
@@ -108,6 +108,11 @@ def test_autograd_and_other_input_dtypes_run_f_linear(spy):
     net(x).float().sum().backward()  # grad enabled and weights that need it: F.linear
     assert calls == [] and net[0].weight.grad is not None
     with torch.no_grad():
+        last = torch.randn(4, 3, 64, dtype=torch.bfloat16)[:, -1]  # rows 3 x 64 apart: the logits' input
+        unpatch(net)
+        want = net(last)
+        patch(net, bias=True)
+        assert torch.equal(net(last), want) and calls == []
         net(x)
     assert calls == [(4, 128)]
 

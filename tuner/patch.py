@@ -30,9 +30,11 @@ op, not both; CUDA graph capture works once each key has been called before
 capturing. Patch again after retuning or `dispatch.configure` to read the
 new choices.
 
-Calls that need autograd (grad enabled and a weight that requires grad) and
-inputs of another dtype than the weight (autocast) run `F.linear`: `gemm` is
-forward only and takes one input dtype.
+Calls that need autograd (grad enabled and a weight that requires grad),
+inputs of another dtype than the weight (autocast) and inputs whose rows are
+strided (the last position of each sequence, taken for the logits) run
+`F.linear`: `gemm` is forward only, takes one input dtype, and its maps
+measured contiguous operands.
 """
 
 from __future__ import annotations
@@ -72,19 +74,22 @@ class TunedLinear(nn.Linear):
         return F.linear(input, self.weight, self.bias)
 
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dtype != self.weight.dtype or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return F.linear(input, self.weight, self.bias)
         x, wt = input.reshape(-1, self.in_features), self.weight.t()
+        # A strided x (the last position of every sequence, for the logits)
+        # would need a copy first: the maps measured contiguous operands only.
+        if (input.dtype != self.weight.dtype or (torch.is_grad_enabled() and self.weight.requires_grad)
+                or not x.is_contiguous()):
+            return F.linear(input, self.weight, self.bias)
         if torch.compiler.is_compiling():
             y = dispatch.gemm(x, wt)
         else:
             launch = self.tuner_launchers.get(x.shape[0])
-            if launch is not None and x.is_contiguous() and not x.data_ptr() % _ALIGN:
+            if launch is not None and not x.data_ptr() % _ALIGN:
                 y = launch(x, wt, None, None)
             else:
                 y = dispatch.gemm(x, wt)
                 launch = dispatch.launcher(x, wt)
-                if launch is not None and x.is_contiguous():
+                if launch is not None:
                     self.tuner_launchers[x.shape[0]] = launch
         if self.bias is not None:
             y = y + self.bias
