@@ -340,13 +340,15 @@ class TileScheduler:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(self._ring.request)
 
+    def _at(self, idx: Int32) -> WorkTile:
+        """The work that index `idx` gives this CTA, decoded as this scheduler decodes."""
+        return type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
+
     @cute.jit
-    def _trace_claim(self, trace, idx: Int32, asked) -> None:
-        """Record the claim of work index `idx` (asked at `asked`) in the
-        trace record of the tile it gives this (the leader) CTA; the tile is
-        decoded before the clock is read again, so the read waits for the
-        atomic's answer."""
-        work = type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
+    def _trace_claim(self, trace, work: WorkTile, asked) -> None:
+        """Record the claim asked at `asked` that handed `work` to this (the
+        leader) CTA in the trace record of its tile; `work` is decoded from
+        the answer before the clock is read again, so the read waits for it."""
         if work.is_valid:
             trace.claim(work.tile, _trace_now() - asked)
 
@@ -381,7 +383,7 @@ class TileScheduler:
                             asked = _trace_now()
                         claimed = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
                         if const_expr(trace is not None):
-                            self._trace_claim(trace, claimed + self.num_clusters, asked)
+                            self._trace_claim(trace, self._at(claimed + self.num_clusters), asked)
                     nxt = cute.arch.shuffle_sync(claimed, 0) + self.num_clusters
                     self._ring.publish(state, nxt)
                     state.advance()
