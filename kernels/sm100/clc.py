@@ -137,8 +137,8 @@ class ClcRing:
     def query(self, state: pipeline.PipelineState, clocked: cutlass.Constexpr[bool] = False):
         """Called by every lane of the leader's scheduler warp: arm every CTA's slot, issue one try_cancel.
 
-        `clocked` returns when it was issued (after the wait for a free
-        slot, which is the depth's doing, not the query's).
+        With `clocked` it returns the %globaltimer of the issue, read after
+        the wait for a free slot (the depth's doing, not the query's).
         """
         self.pipe.producer_acquire(state)
         asked = None

@@ -469,10 +469,10 @@ class Sm100GemmKernel:
     ):
         """The MMA warp: one accumulator stage per tile of `work_tiles` (see `_scheduler`).
 
-        Traced, the leader CTA's MMA warp writes the start of the mainloop
-        into the records of both CTA tiles its MMAs compute (one, or the pair
-        of a 2-CTA MMA, the peer's the next tile down); the epilogue warps
-        write the rest (`kernels.trace`).
+        Traced, the leader CTA's MMA warp writes when the mainloop began into
+        the record of every CTA tile its MMAs compute (its own; with a 2-CTA
+        MMA also the peer's, the next tile along M); the epilogue warps write
+        the rest (`kernels.trace`).
         """
         tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
         acc_producer_state = pipeline.make_pipeline_state(
