@@ -53,8 +53,6 @@ _GROUPED_CLASSES = {
     "sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel",
     "sm100": "kernels.sm100.grouped:Sm100GroupedGemmKernel",
 }
-# Archs whose kernels (plain and grouped) have the trace build flag (`kernels.trace`).
-_TRACED = ("sm90",)
 _EXPORT_NAME = "gemm"
 _CACHE_ENV = "KERNELS_CACHE_DIR"
 # ELF .nv.info attributes: registers per thread, stack frame bytes (spills).
@@ -81,8 +79,8 @@ class Variant:
 
     `grouped` is "" for a plain GEMM, else a `kernels.grouped` form ("rows":
     MoE offsets over A's rows, "k": problems packed along K). `trace` builds
-    the kernel that records every tile (`kernels.trace`; plain sm90 so far):
-    its runner takes the record buffer last.
+    the kernel that records every tile (`kernels.trace`): its runner takes
+    the record buffer last.
     """
 
     cfg: GemmConfig
@@ -95,8 +93,6 @@ class Variant:
     def __post_init__(self) -> None:
         # Sizes 8 satisfy every alignment rule; this checks dtypes and layout.
         check_operands(8, 8, 8 * self.cfg.split_k, 1, self.dtype_in, self.dtype_out, self.layout)
-        if self.trace and self.cfg.arch not in _TRACED:
-            raise InvalidConfig(f"no traced build of {self.cfg.arch} kernels yet")
 
     @property
     def workspace(self) -> bool:
@@ -371,7 +367,8 @@ _pools: dict[tuple[str, int], ProcessPoolExecutor] = {}
 # ---------------------------------------------------------------- runners
 
 
-def _device_arch(device) -> str:
+def device_arch(device) -> str:
+    """The arch of CUDA device `device` as the pool names it (sm90, sm100)."""
     import torch
 
     major, minor = torch.cuda.get_device_capability(device)
@@ -521,7 +518,7 @@ def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, g
     import torch
 
     device_index = torch.cuda.current_device()
-    arch = _device_arch(device_index)
+    arch = device_arch(device_index)
     if cfg.arch != arch:
         raise InvalidConfig(f"{cfg.arch} config on a {arch} device")
     v = Variant(cfg, dtype_in, dtype_out, layout, grouped, trace)

@@ -340,15 +340,19 @@ class TileScheduler:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(self._ring.request)
 
+    def _at(self, idx: Int32) -> WorkTile:
+        """The work that index `idx` gives this CTA, decoded as this scheduler decodes."""
+        return type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
+
     @cute.jit
-    def _trace_claim(self, trace, idx: Int32, asked, writer) -> None:
-        """Record the claim of work index `idx` (asked at `asked`) in the
-        trace record of the tile it gives this (the leader) CTA; the whole
-        warp calls it, the `writer` lane writes."""
-        work = type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
-        if writer:
-            if work.is_valid:
-                trace.claim(work.tile, _trace_now() - asked)
+    def _trace_claim(self, trace, work: WorkTile, asked) -> None:
+        """Record the claim asked at `asked` that handed `work` to this (the
+        leader) CTA in the trace record of its tile; `work` is decoded from
+        the answer before the clock is read again, so the read waits for it.
+        One thread calls it, after the whole warp decoded `work` (the
+        decode's warp-uniform hints are full-warp shuffles)."""
+        if work.is_valid:
+            trace.claim(work.tile, _trace_now() - asked)
 
     @cute.jit
     def serve_claims(self, counter: cute.Tensor, trace=None) -> None:
@@ -384,10 +388,11 @@ class TileScheduler:
                         claimed = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
                     nxt = cute.arch.shuffle_sync(claimed, 0) + self.num_clusters
                     if const_expr(trace is not None):
-                        # The whole warp decodes the tile (its warp-uniform
-                        # hints are warp collectives: inside the lane-0 branch
-                        # they hang); the shuffle waited for the atomic's answer.
-                        self._trace_claim(trace, nxt, asked, lane == 0)
+                        # The whole warp decodes (inside the lane-0 branch
+                        # its shuffles hang); lane 0 asked, so it records.
+                        work = self._at(nxt)
+                        if lane == 0:
+                            self._trace_claim(trace, work, asked)
                     self._ring.publish(state, nxt)
                     state.advance()
                 self._ring.pipe.producer_tail(state)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 
 from kernels.trace import FIELDS, RECORD_WORDS
 
+_START = FIELDS.index("start_ns")
 _CLAIM = FIELDS.index("claim_ns")
 
 
@@ -41,15 +42,26 @@ class TileTrace:
         return slot * RECORD_WORDS + field
 
     @cute.jit
-    def record(self, tile, start: Int64, end: Int64) -> None:
-        """Every field of `tile`'s record but the claim; one thread calls it."""
+    def record(self, tile, start: Int64 | None, end: Int64) -> None:
+        """Every field of `tile`'s record but the claim; one thread calls it.
+
+        `start` None leaves the start word to `begin`: on sm100 the tile's
+        mainloop runs in another warp (another CTA's, for a 2-CTA MMA) than
+        its epilogue.
+        """
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
         base = self._word(tile, 0)
         values = (Int64(cute.arch.smid()), Int64(bidx) + Int64(bidy) * Int64(gdimx),
                   Int64(tile[0]), Int64(tile[1]), Int64(tile[2]), start, end)
         for i in cutlass.range_constexpr(len(values)):
-            self.buf[base + i] = values[i]
+            if const_expr(values[i] is not None):
+                self.buf[base + i] = values[i]
+
+    @cute.jit
+    def begin(self, tile, start: Int64) -> None:
+        """The start word of `tile`'s record (see `record`); one thread calls it."""
+        self.buf[self._word(tile, _START)] = start
 
     @cute.jit
     def claim(self, tile, latency: Int64) -> None:

@@ -460,7 +460,8 @@ def trace(
     key: str = typer.Option(..., "--key", help="The key as a shape file line, e.g. '2048 4096 4096 held=16'."),
     config: Optional[str] = typer.Option(None, "--config", help="Name of the config to trace."),
     winner: bool = typer.Option(False, "--winner", help="Trace the key's stored winner instead."),
-    arch: str = typer.Option("sm90", help="Target architecture (traced builds: sm90)."),
+    arch: Optional[str] = typer.Option(None, help="Target architecture: sm90 or sm100 (default: the config's, "
+                                                  "else sm90)."),
     output: Path = typer.Option(..., "-o", "--output", help="Directory for trace.json and the PNGs."),
     db: Optional[str] = DbOption,
 ) -> None:
@@ -480,10 +481,19 @@ def trace(
             cfg = GemmConfig.from_name(config)
         except InvalidConfig as exc:
             _fail(f"--config: {exc}")
+        if arch not in (None, cfg.arch):
+            _fail(f"--config: {config} is an {cfg.arch} config, not {arch}")
+        arch = cfg.arch
+    arch = arch or "sm90"
     import torch
 
+    from kernels.compile import device_arch
+
     if not torch.cuda.is_available():
-        _fail("tracing runs a kernel: no CUDA device here")
+        _fail(f"tracing runs a kernel: no CUDA device here (an {arch} GPU is needed)")
+    here = device_arch(torch.cuda.current_device())
+    if here != arch:
+        _fail(f"tracing runs a kernel: an {arch} GPU is needed; {torch.cuda.get_device_name()} is {here}")
     k = Key(arch, torch.cuda.get_device_name(), problem)
     if winner:
         store = _open(db, writer=False)

@@ -96,8 +96,9 @@ def run(key: Key, cfg: GemmConfig, *, seed: int = 0) -> Trace:
 
 
 def summarise(trace: Trace) -> dict:
-    """Per SM: tiles, busy and idle time (us) over the launch's span; and the
-    claim latencies of dynamic schedulers."""
+    """Per SM: tiles, busy time (inside at least one of its tiles) and idle
+    time (us) over the launch's span; and the claim latencies of dynamic
+    schedulers."""
     recs = trace.records
     if not recs:
         return {"tiles_run": 0}
@@ -105,14 +106,13 @@ def summarise(trace: Trace) -> dict:
     span = max(r["end_ns"] for r in recs) - t0
     cfg = GemmConfig.from_name(trace.config)
     tiles_n = _cdiv(trace.key["n"], cfg.tile_n)
-    per_sm = {sm: {"tiles": 0, "busy_us": 0.0} for sm in range(trace.sms)}
+    intervals = {sm: [] for sm in range(trace.sms)}
     for r in recs:
-        s = per_sm.setdefault(r["sm"], {"tiles": 0, "busy_us": 0.0})
-        s["tiles"] += 1
-        s["busy_us"] += (r["end_ns"] - r["start_ns"]) / 1000
-    for s in per_sm.values():
-        s["idle_us"] = round(span / 1000 - s["busy_us"], 3)
-        s["busy_us"] = round(s["busy_us"], 3)
+        intervals.setdefault(r["sm"], []).append((r["start_ns"], r["end_ns"]))
+    per_sm = {}
+    for sm, tiles in intervals.items():
+        busy = _covered(tiles) / 1000
+        per_sm[sm] = {"tiles": len(tiles), "busy_us": round(busy, 3), "idle_us": round(span / 1000 - busy, 3)}
     claims = sorted(r["claim_ns"] for r in recs if r["claim_ns"] >= 0)
     return {
         "tiles_run": len(recs),
@@ -125,6 +125,17 @@ def summarise(trace: Trace) -> dict:
         "claim_ns_median": claims[len(claims) // 2] if claims else None,
         "per_sm": {str(sm): s for sm, s in sorted(per_sm.items())},
     }
+
+
+def _covered(intervals: list[tuple[int, int]]) -> int:
+    """Nanoseconds inside at least one (start, end) interval: an SM's tiles
+    overlap where an sm100 mainloop runs beside the previous tile's epilogue
+    (or two CTAs share the SM), and busy time counts each moment once."""
+    total, reach = 0, min((start for start, _ in intervals), default=0)
+    for start, end in sorted(intervals):
+        total += max(0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
 
 
 def write(trace: Trace, out: Path, stem: str = "trace") -> list[Path]:

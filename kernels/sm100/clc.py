@@ -36,6 +36,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Boolean, Int32, const_expr
 
 from kernels.schedulers import SchedulerSpec, TileGrid, TileScheduler, WorkTile
+from kernels.trace_device import now as trace_now
 
 # Bytes of one try_cancel response; one ring slot holds one response.
 RESPONSE_BYTES = 16
@@ -133,14 +134,22 @@ class ClcRing:
         return x, Boolean(granted != 0)
 
     @cute.jit
-    def query(self, state: pipeline.PipelineState) -> None:
-        """Called by every lane of the leader's scheduler warp: arm every CTA's slot, issue one try_cancel."""
+    def query(self, state: pipeline.PipelineState, clocked: cutlass.Constexpr[bool] = False):
+        """Called by every lane of the leader's scheduler warp: arm every CTA's slot, issue one try_cancel.
+
+        With `clocked` it returns the %globaltimer of the issue, read after
+        the wait for a free slot (the depth's doing, not the query's).
+        """
         self.pipe.producer_acquire(state)
+        asked = None
+        if const_expr(clocked):
+            asked = trace_now()
         with cute.arch.elect_one():
             cute.arch.issue_clc_query(
                 self.pipe.producer_get_barrier(state), self.slot(state.index),
                 multicast=self.spec.cluster_size > 1,
             )
+        return asked
 
     @cute.jit
     def cancel_burst(self, count: Int32) -> None:
@@ -185,26 +194,31 @@ class ClcScheduler(TileScheduler):
         return self._work()
 
     @cute.jit
-    def serve_claims(self, counter=None) -> None:
+    def serve_claims(self, counter=None, trace=None) -> None:
         """The scheduler warp: one query per tile until a query fails or grants a phantom.
 
         `counter` is unused (CLC keeps no global state); it keeps the call
-        identical to the atomic scheduler's.
+        identical to the atomic scheduler's. With a
+        `kernels.trace_device.TileTrace`, each query's round trip (issued to
+        decoded) goes into the record of the tile it granted the leader CTA.
         """
         if cute.arch.block_idx_in_cluster() == 0:
-            _serve(self, self._ring)
+            _serve(self, self._ring, trace)
 
 
 @cute.jit
-def _serve(sched: ClcScheduler, ring: ClcRing) -> None:
+def _serve(sched: ClcScheduler, ring: ClcRing, trace=None) -> None:
     # A free function so that `sched`, advanced inside the loop, is a local
     # the DSL threads through the loop.
     producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, sched.spec.depth)
     work = sched.initial_work()
     while work.is_valid:
-        ring.query(producer)
+        asked = ring.query(producer, trace is not None)
         producer.advance()
         work = sched.advance()
+        if const_expr(trace is not None):
+            with cute.arch.elect_one():
+                sched._trace_claim(trace, work, asked)
     ring.pipe.producer_tail(producer)
     if const_expr(sched.spec.tail_cancel):
         # An invalid tile below the launched clusters was granted: a phantom

@@ -30,6 +30,8 @@ from kernels import space
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.sm100 import clc
 from kernels.space import GemmConfig, InvalidConfig
+from kernels.trace_device import TileTrace
+from kernels.trace_device import now as trace_now
 
 # Epilogue staging buffers in smem: one being filled while the previous one's
 # TMA store drains.
@@ -55,6 +57,8 @@ class Sm100GemmKernel:
 
     def __init__(self, cfg: GemmConfig, layout: str = "tn"):
         self.can_implement(cfg, layout)
+        # Set only while `traced` builds the launch (kernels.trace).
+        self._trace_buf = None
         self.cfg = cfg
         self.layout = layout
         self.acc_dtype = cutlass.Float32
@@ -193,7 +197,7 @@ class Sm100GemmKernel:
         self.kernel(
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
             self.cluster_layout_vmnk, self.a_smem_layout_staged, self.b_smem_layout_staged,
-            self.c_smem_layout_staged, self.epi_tile, sched_buf, rows,
+            self.c_smem_layout_staged, self.epi_tile, sched_buf, rows, self._trace_buf,
         ).launch(
             grid=self.sched.grid_shape(tiles, max_clusters),
             block=[self.threads_per_cta, 1, 1],
@@ -201,6 +205,14 @@ class Sm100GemmKernel:
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
         )
+
+    @cute.jit
+    def traced(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, sched_buf: cute.Tensor,
+               max_clusters: cutlass.Int32, trace_buf: cute.Tensor, stream):
+        """The launch of `__call__` with every tile's record written to
+        `trace_buf` (the trace build flag; `kernels.trace`)."""
+        self._trace_buf = trace_buf
+        self.__call__(a, b, c, sched_buf, max_clusters, stream)
 
     # ---------------------------------------------------------------- device
 
@@ -221,6 +233,7 @@ class Sm100GemmKernel:
         epi_tile: cute.Tile,
         sched_buf: cute.Tensor,
         rows: Optional[cute.Tensor],
+        trace_buf: Optional[cute.Tensor],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.tma_warp_id:
@@ -288,6 +301,9 @@ class Sm100GemmKernel:
         )
 
         pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+        trace = None
+        if cutlass.const_expr(trace_buf is not None):
+            trace = TileTrace.create(trace_buf, tiles, self.cluster_shape_mn)
 
         # ---- TMA load warp
         if warp_idx == self.tma_warp_id:
@@ -307,13 +323,13 @@ class Sm100GemmKernel:
         # ---- scheduler warp: claims tiles for the whole cluster
         if cutlass.const_expr(self.has_sched_warp):
             if warp_idx == self.sched_warp_id:
-                self._scheduler(tiles, ring).serve_claims(sched_buf)
+                self._scheduler(tiles, ring).serve_claims(sched_buf, trace)
 
         # ---- MMA warp
         if warp_idx == self.mma_warp_id:
             self._mma_role(
                 tiles, ring, tmem, tCtAcc_fake, tiled_mma, ab_consumer, acc_pipeline, tCrA, tCrB, k_tile_cnt,
-                is_leader_cta,
+                is_leader_cta, trace,
             )
 
         # ---- epilogue warps
@@ -333,6 +349,7 @@ class Sm100GemmKernel:
             sched = self._scheduler(tiles, ring)
             work = sched.initial_work()
             while work.is_valid:
+                tile = work.tile
                 mma_tile_coord = self._mma_tile(work, tiled_mma)
                 # Take the next tile before the stores, so the scheduler's
                 # ring slot frees as early as possible.
@@ -342,6 +359,11 @@ class Sm100GemmKernel:
                     tiles_done, lambda x: x, mma_tile_coord, acc_consumer_state,
                     acc_pipeline, c_pipeline,
                 )
+                if cutlass.const_expr(trace is not None):
+                    # Thread 0's warp issues the TMA stores; the epilogue's
+                    # last barrier is behind them.
+                    if tidx == 0:
+                        trace.record(tile, None, trace_now())
                 tiles_done += 1
             c_pipeline.producer_tail()
             tmem.relinquish_alloc_permit()
@@ -443,9 +465,15 @@ class Sm100GemmKernel:
     @cute.jit
     def _mma_role(
         self, work_tiles, ring, tmem: TmemAllocator, tCtAcc_fake: cute.Tensor, tiled_mma: cute.TiledMma,
-        ab_consumer, acc_pipeline, tCrA: cute.Tensor, tCrB: cute.Tensor, k_tile_cnt, is_leader_cta,
+        ab_consumer, acc_pipeline, tCrA: cute.Tensor, tCrB: cute.Tensor, k_tile_cnt, is_leader_cta, trace=None,
     ):
-        """The MMA warp: one accumulator stage per tile of `work_tiles` (see `_scheduler`)."""
+        """The MMA warp: one accumulator stage per tile of `work_tiles` (see `_scheduler`).
+
+        Traced, the leader CTA's MMA warp writes when the mainloop began into
+        the record of every CTA tile its MMAs compute (its own; with a 2-CTA
+        MMA also the peer's, the next tile along M); the epilogue warps write
+        the rest (`kernels.trace`).
+        """
         tCtAcc_base = self._accumulators(tmem, tCtAcc_fake)
         acc_producer_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.num_acc_stage
@@ -459,6 +487,8 @@ class Sm100GemmKernel:
             if is_leader_cta:
                 peek_full = ab_consumer.try_wait()
                 acc_pipeline.producer_acquire(acc_producer_state)
+                if cutlass.const_expr(trace is not None):
+                    self._trace_start(trace, work.tile, tiled_mma)
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
             for _k in range(k_tile_cnt):
                 if is_leader_cta:
@@ -477,6 +507,15 @@ class Sm100GemmKernel:
             acc_producer_state.advance()
             work = sched.advance()
         acc_pipeline.producer_tail(acc_producer_state)
+
+    @cute.jit
+    def _trace_start(self, trace: TileTrace, tile, tiled_mma: cute.TiledMma) -> None:
+        """The start words of the CTA tiles of the MMA tile that begins now at `tile` (the leader's)."""
+        start = trace_now()
+        m, n, l = tile
+        with cute.arch.elect_one():
+            for v in cutlass.range_constexpr(cute.size(tiled_mma.thr_id.shape)):
+                trace.begin((m + v, n, l), start)
 
     def _tma_loads(self, a: cute.Tensor, b: cute.Tensor, tiled_mma: cute.TiledMma) -> tuple:
         """TMA atoms and tensors of A and B (multicast across the cluster), and the

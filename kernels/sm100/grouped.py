@@ -33,6 +33,8 @@ from kernels.grouped import MAX_GROUPS
 from kernels.sm100 import clc
 from kernels.sm100.gemm import Sm100GemmKernel
 from kernels.space import GemmConfig, InvalidConfig
+from kernels.trace_device import TileTrace
+from kernels.trace_device import now as trace_now
 
 # Builds the group table before the roles split (the TMA warp: it has the
 # least to do before its first load).
@@ -147,7 +149,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
         self.grouped_kernel(
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, c, offs,
             self.cluster_layout_vmnk, self.a_smem_layout_staged, self.b_smem_layout_staged,
-            self.epi_tile, sched_buf,
+            self.epi_tile, sched_buf, self._trace_buf,
         ).launch(
             grid=(self.cluster_shape_mn[0] * clusters, self.cluster_shape_mn[1], 1),
             block=[self.threads_per_cta, 1, 1],
@@ -155,6 +157,13 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
         )
+
+    @cute.jit
+    def traced(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, offs: cute.Tensor, sched_buf: cute.Tensor,
+               max_clusters: Int32, trace_buf: cute.Tensor, stream):
+        """`__call__` with every tile's record written to `trace_buf` (`kernels.trace`)."""
+        self._trace_buf = trace_buf
+        self.__call__(a, b, c, offs, sched_buf, max_clusters, stream)
 
     # ---------------------------------------------------------------- device
 
@@ -173,6 +182,7 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
         b_smem_layout_staged: cute.ComposedLayout,
         epi_tile: cute.Tile,
         sched_buf: cute.Tensor,
+        trace_buf: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.tma_warp_id:
@@ -235,6 +245,10 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
         tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
 
         pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+        trace = None
+        if const_expr(trace_buf is not None):
+            # Slots for every group's tiles up to the largest group's (all rows).
+            trace = TileTrace.create(trace_buf, table, self.cluster_shape_mn)
 
         # ---- TMA load warp
         if warp_idx == self.tma_warp_id:
@@ -259,13 +273,13 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
         # ---- scheduler warp
         if const_expr(self.has_sched_warp):
             if warp_idx == self.sched_warp_id:
-                self._scheduler(table, ring).serve_claims(sched_buf)
+                self._scheduler(table, ring).serve_claims(sched_buf, trace)
 
         # ---- MMA warp
         if warp_idx == self.mma_warp_id:
             self._mma_role(
                 table, ring, tmem, tCtAcc_fake, tiled_mma, ab_consumer, acc_pipeline, tCrA, tCrB, k_tile_cnt,
-                is_leader_cta,
+                is_leader_cta, trace,
             )
 
         # ---- epilogue warps: registers -> global, rows bounded by the group's end
@@ -295,6 +309,11 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
                     (Int32(0), n, Int32(0)), acc_consumer_state, acc_pipeline,
                     thr_mma.partition_C(cC), mC_g,
                 )
+                if const_expr(trace is not None):
+                    # Every epilogue thread stores its own rows: thread 0's
+                    # last store stands for the tile's.
+                    if tidx == 0:
+                        trace.record((m, n, g), None, trace_now())
             tmem.relinquish_alloc_permit()
             tmem.free(tCtAcc_base.iterator)
 
