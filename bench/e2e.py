@@ -3,8 +3,8 @@ patched (`tuner.patch`), eager and under torch.compile.
 
     python -m bench.e2e --db DB [--tune gpu|model|none] [--tune-only] [--trials N]
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
-                        [--prefill 1x512,4x1024] [--decode 1,16] [--steps 16] [--prompt 128]
-                        [--rounds 20] [--modes eager,compiled] [--out bench/results]
+                        [--prefill 1x512,4x1024] [--decode 1,16] [--steps 64] [--prompt 128]
+                        [--rounds 30] [--modes eager,compiled] [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
 (`tuner/data/models/`) truncated to `--layers` decoder layers, with random
@@ -279,9 +279,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--prefill", type=_pairs, default=_pairs("1x512,4x1024"), help="batch x seq, comma-separated.")
     parser.add_argument("--decode", type=lambda t: [int(v) for v in t.split(",")], default=[1, 16])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--modes", type=lambda t: t.split(","), default=["eager", "compiled"],
                         help="eager, compiled or both (comma-separated).")
     parser.add_argument("--out", default="bench/results")
