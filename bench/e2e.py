@@ -66,6 +66,7 @@ from bench.record import save
 from tuner import dispatch, patch
 from tuner.linears import build_model, linear_shapes
 from tuner.measure import trimmed_mean
+from tuner.patch import host_costs
 
 MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
 DEVICE = "cuda"
@@ -143,12 +144,16 @@ def _modes(models: dict, modes: list[str]):
         yield "compiled", {v: torch.compile(m) for v, m in models.items()}
 
 
-def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: int) -> tuple[int, int]:
-    """(linear calls of one forward whose M lies in their family's kernel
-    intervals, all linear calls); `spans` holds the patched layers' intervals."""
-    hits = sum(any(lo <= (m_head if name.endswith("lm_head") else m_layers) <= hi for lo, hi in s)
-               for name, s in spans.items())
-    return hits, linears
+def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: int | None) -> dict:
+    """Per mode, (linear calls of one forward that run a tuned kernel: their
+    M inside the layer's intervals for that mode, all linear calls); `spans`
+    holds the patched layers' (eager, compiled) intervals; `m_head` None: the
+    logits' input rows are strided (F.linear)."""
+    def hits(mode: int) -> int:
+        ms = {name: m_head if name.endswith("lm_head") else m_layers for name in spans}
+        return sum(ms[name] is not None and any(lo <= ms[name] <= hi for lo, hi in s[mode])
+                   for name, s in spans.items())
+    return {"eager": (hits(0), linears), "compiled": (hits(1), linears)}
 
 
 def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
@@ -160,11 +165,14 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
         warnings.simplefilter("always")
         patch(tuned)
     models = {"unpatched": model, "patched": tuned}
-    spans = {name: m.tuner_spans for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
+    spans = {name: (m.tuner_spans, m.tuner_compiled_spans) for name, m in tuned.named_modules()
+             if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     record = {"model": name, "layers": args.layers, "patch_warnings": [str(w.message) for w in caught],
               "families": [{"n": s.n, "k": s.k, "names": list(s.names)} for s in linear_shapes(model)],
-              "kernel_spans": {name: [list(span) for span in s] for name, s in spans.items()},
+              "kernel_spans": {name: {"eager": [list(span) for span in s[0]], "compiled": [list(span) for span in s[1]]}
+                               for name, s in spans.items()},
+              "host_cost_us": dict(zip(("eager", "compiled"), host_costs() or ())),
               "prefill": [], "decode": []}
     print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in record['families']])} kernels",
           file=sys.stderr)
@@ -173,7 +181,9 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     with torch.inference_mode():
         for batch, seq in args.prefill:
             ids = torch.randint(0, vocab, (batch, seq), device=DEVICE, generator=gen)
-            case = {"batch": batch, "seq": seq, "kernel_calls": _kernel_calls(spans, linears, batch * seq, batch)}
+            # The logits' input of a batch of sequences is their last rows: strided.
+            head = batch if batch == 1 else None
+            case = {"batch": batch, "seq": seq, "kernel_calls": _kernel_calls(spans, linears, batch * seq, head)}
             want = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
             for mode, fns in _modes(models, args.modes):
                 run = lambda fn: fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
@@ -238,12 +248,12 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
 
 
 def _report(name: str, label: str, case: dict) -> None:
-    parts = [f"{name:12s} {label:16s} kernels {case['kernel_calls'][0]:3d}/{case['kernel_calls'][1]:<3d}"]
+    parts = [f"{name:12s} {label:16s}"]
     for mode in ("eager", "compiled"):
         if mode in case:
-            c = case[mode]
-            parts.append(f"{mode} {c['tokens_per_s']['unpatched']:9.0f} -> {c['tokens_per_s']['patched']:9.0f} tok/s"
-                         f" x{c['speedup']:.3f} err {c['rel_err']:.1e}")
+            c, (hits, calls) = case[mode], case["kernel_calls"][mode]
+            parts.append(f"{mode} kernels {hits}/{calls} {c['tokens_per_s']['unpatched']:9.0f} -> "
+                         f"{c['tokens_per_s']['patched']:9.0f} tok/s x{c['speedup']:.3f} err {c['rel_err']:.1e}")
     print(" | ".join(parts), file=sys.stderr)
 
 
@@ -292,9 +302,9 @@ def main() -> None:
         return
     # A run over some of the models or modes (split runs fit the GPU
     # machine's time limit per command) names them.
-    which = "" if args.models == list(MODELS) else "-" + "+".join(os.path.basename(m).removesuffix(".json")
+    which = "" if args.models == list(MODELS) else "-" + "_".join(os.path.basename(m).removesuffix(".json")
                                                                 for m in args.models)
-    which += "" if sorted(args.modes) == ["compiled", "eager"] else "-" + "+".join(args.modes)
+    which += "" if sorted(args.modes) == ["compiled", "eager"] else "-" + "_".join(args.modes)
     path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))

@@ -1,6 +1,7 @@
 """`tuner.patch(model)`: a model's linear layers through the tuned dispatch."""
 
 import importlib
+import math
 import warnings
 
 import pytest
@@ -12,7 +13,7 @@ from kernels import space
 from tuner import dispatch, patch, patched, unpatch
 from tuner._gpu_worker import versions
 from tuner.key import Key, Problem
-from tuner.lookup import kernel_spans
+from tuner.lookup import Span, kernel_spans
 
 patch_module = importlib.import_module("tuner.patch")
 TunedLinear, PatchWarning = patch_module.TunedLinear, patch_module.PatchWarning
@@ -43,9 +44,15 @@ def spy(monkeypatch):
         calls.append((a.shape[0], b.shape[1]))
         return torch.mm(a, b)
 
+    def kernel_spans(dev, dtype, n, k):
+        # (lo, hi) spans save more than any host cost; (lo, hi, us) say how much.
+        return tuple(Span(*s) if len(s) == 3 else Span(*s, math.inf) for s in spans.get((n, k), ())), None
+
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
-    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: (spans.get((n, k), ()), None))
+    monkeypatch.setattr(dispatch, "kernel_spans", kernel_spans)
     monkeypatch.setattr(dispatch, "gemm", gemm)
+    monkeypatch.setattr(patch_module, "_host_costs", {})
+    monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (0.0, 0.0))
     return calls, spans
 
 
@@ -162,6 +169,22 @@ def test_a_kernel_launch_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypa
     assert torch.equal(first, again)
 
 
+def test_spans_are_kept_only_where_the_saving_covers_the_host_cost(spy, monkeypatch):
+    calls, spans = spy
+    monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (10.0, 30.0))
+    spans[(128, 64)] = ((1, 8, 5.0), (9, 16, 20.0), (100, 200, 50.0))
+    spans[(32, 128)] = ((1, 8, 5.0),)
+    net = _net()
+    patch(net, bias=True)
+    assert net[0].tuner_spans == ((9, 16), (100, 200))  # eager: saves >= 10 us
+    assert net[0].tuner_compiled_spans == ((100, 200),)  # compiled: >= 30 us
+    assert type(net[2]) is nn.Linear  # saves less than either: no kernel anywhere
+    with torch.no_grad():
+        net(torch.randn(4, 64, dtype=torch.bfloat16))
+        net(torch.randn(12, 64, dtype=torch.bfloat16))
+    assert calls == [(12, 128)]
+
+
 def test_patched_context_unpatches_when_the_block_raises(spy):
     _, spans = spy
     spans[(128, 64)] = ((1, 8),)
@@ -190,20 +213,23 @@ def test_kernel_spans_from_a_real_store(tmp_path):
         store.set_winner(store.key_id(key(m).to_dict()), env, config_name=c.name() if c else "cublas",
                          scheduler=c.scheduler if c else "cublas", config=c.to_dict() if c else None,
                          ms=1.0, baseline_ms=1.1, best_by_scheduler={}, trials=1)
-    # A map-less family: the kernel winner's own span [256 / sqrt 2, 256 * sqrt 2].
-    assert kernel_spans(store, key(1)) == ((182, 362),)
+    # A map-less family: the kernel winner's own span [256 / sqrt 2, 256 * sqrt 2],
+    # and the winner's saving against cuBLAS.
+    assert kernel_spans(store, key(1)) == ((182, 362, pytest.approx(100.0)),)
     point = {"m": 64, "ms": {"cublas": 1.1, cfg.name(): 1.0}}
+    closer = {"m": 300, "ms": {"cublas": 1.1, cfg.name(): 1.08}}
     ranges = [
         dict(m_lo=1, m_hi=63, config_name="cublas", scheduler="cublas", config=None, evidence=[point]),
         dict(m_lo=64, m_hi=300, config_name=cfg.name(), scheduler=cfg.scheduler, config=cfg.to_dict(),
-             evidence=[point]),
+             evidence=[point, closer]),
         dict(m_lo=301, m_hi=4096, config_name="cublas", scheduler="cublas", config=None, evidence=[point]),
     ]
     from tuner.lookup import family_of
 
     store.set_ranges(family_of(key(1)), env, ranges)
-    assert kernel_spans(store, key(1)) == ((64, 300),)  # a map: its kernel intervals only
-    assert kernel_spans(store, key(1), versions("TestGPU")) == ((64, 300),)
+    # A map: its kernel intervals only, with the least saving of their points.
+    assert kernel_spans(store, key(1)) == ((64, 300, pytest.approx(20.0)),)
+    assert kernel_spans(store, key(1), versions("TestGPU")) == ((64, 300, pytest.approx(20.0)),)
     assert kernel_spans(store, key(1), {**versions("TestGPU"), "torch": "0.0"}) == ()  # stale: left out
     assert kernel_spans(store, key(1, n=1024)) is None
     store.close()

@@ -38,6 +38,7 @@ Forward only: the op has no autograd formula.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -152,15 +153,17 @@ def explain_key(key) -> Explanation:
     return _choose(key)[0]
 
 
-def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int
-                 ) -> tuple[tuple[tuple[int, int], ...], str | None]:
+def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int) -> tuple[tuple, str | None]:
     """Where `gemm(x, W.t())` may run a kernel for a contiguous (n, k) weight
-    W of `dtype` on that CUDA device: the M intervals (outside them it runs
-    cuBLAS, so a caller may call torch there directly), and why there are none
-    to be had (None when the family is tuned). Stale choices are left out
-    (gemm would not run them). With online tuning on, every M may be
-    measured, so the one span is every M. Reads the store every time."""
+    W of `dtype` on that CUDA device: the M intervals (`tuner.lookup.Span`,
+    with the least device time the kernel saved there; outside them it runs
+    cuBLAS, so a caller may call torch there directly), and why there are
+    none to be had (None when the family is tuned). Stale choices are left
+    out (gemm would not run them). With online tuning on, every M may be
+    measured, so the one span is every M, its saving unknown (infinite).
+    Reads the store every time."""
     from tuner.key import Key, Problem
+    from tuner.lookup import Span
     from tuner.lookup import kernel_spans as family_spans
 
     din = _DTYPE_NAMES.get(dtype)
@@ -175,7 +178,7 @@ def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int
     except InvalidConfig as exc:
         return (), f"shape outside the pool's operand rules: {exc}"
     if _online():
-        return ((1, MAX_DIM),), None
+        return (Span(1, MAX_DIM, math.inf),), None
     store = _store()
     if store is None:
         return (), f"no readable winners database at {_db_where()}"

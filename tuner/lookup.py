@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from db.store import FAMILY_FIELDS, RangeView, Store, WinnerView
 from tuner.key import Key
@@ -119,7 +120,16 @@ def family_of(key: Key) -> dict:
     return {f: fields[f] for f in FAMILY_FIELDS}
 
 
-def kernel_spans(store: Store, key: Key, versions: dict[str, str] | None = None) -> tuple[tuple[int, int], ...] | None:
+class Span(NamedTuple):
+    """An M interval where the rule may choose a kernel, and the least time
+    that kernel saved against cuBLAS at any point measured for it (us)."""
+
+    lo: int
+    hi: int
+    saving_us: float
+
+
+def kernel_spans(store: Store, key: Key, versions: dict[str, str] | None = None) -> tuple[Span, ...] | None:
     """The M intervals of `key`'s family (its M aside) where `decide` may
     choose a kernel, sorted; at every other M it chooses cuBLAS or nothing.
     With `versions`, choices stale under them are left out (the caller runs
@@ -127,16 +137,23 @@ def kernel_spans(store: Store, key: Key, versions: dict[str, str] | None = None)
     family = family_of(key)
     ranges = store.ranges(**family)
     if ranges:
-        return tuple(sorted((r.m_lo, r.m_hi) for r in ranges
+        return tuple(sorted(Span(r.m_lo, r.m_hi, _saving_us(r)) for r in ranges
                             if r.config is not None and not (versions and r.stale(versions))))
     winners = store.winners(limit=100_000, **family)
     if not winners:
         return None
     # A map-less family's winner serves M within its own span (the rule's step 2).
     return tuple(sorted(
-        (math.ceil(w.key["m"] / OWN_SPAN), math.floor(w.key["m"] * OWN_SPAN)) for w in winners
-        if w.config is not None and not (versions and w.stale(versions))
+        Span(math.ceil(w.key["m"] / OWN_SPAN), math.floor(w.key["m"] * OWN_SPAN), 1000 * (w.baseline_ms - w.ms))
+        for w in winners if w.config is not None and not (versions and w.stale(versions))
     ))
+
+
+def _saving_us(r: RangeView) -> float:
+    """The least cuBLAS time minus the interval's kernel time over its evidence."""
+    savings = [p["ms"][BASELINE] - p["ms"][r.config_name] for p in r.evidence
+               if BASELINE in p["ms"] and r.config_name in p["ms"]]
+    return 1000 * min(savings) if savings else 0.0
 
 
 def lookup(store: Store, key: Key) -> Decision | None:

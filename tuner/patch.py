@@ -8,18 +8,25 @@
 Every module of exact type `nn.Linear` whose weight is a bf16 or fp16 CUDA
 tensor goes through the dispatch's rule. The database is read once, at patch
 time: for each distinct (N, K, dtype, device) the M intervals where `gemm`
-may run a kernel (`dispatch.kernel_spans`). A layer whose family has such
-intervals becomes a `TunedLinear` (its class is swapped: parameters, hooks,
-state dict and `isinstance(m, nn.Linear)` stay as they were); one without
-any stays an `nn.Linear`, since `gemm` would run cuBLAS for it at every M:
-that costs nothing per call. `unpatch` swaps the class back. Other modules,
+may run a kernel and the least device time it saved there against cuBLAS
+(`dispatch.kernel_spans`). The maps measured device time, but a forward that
+waits on the host (a decode step) also pays the kernel path's host cost over
+`F.linear`'s: an interval is kept only where the saving covers that cost,
+which `patch` measures once per process and device on the layers' own kernel
+(host time per call of each path, no sync in between): one cost for eager
+calls (the kept launch) and one for compiled graphs (the registered op,
+against the `mm` a compiled graph calls otherwise). A layer with an interval
+left becomes a `TunedLinear` (its class is swapped: parameters, hooks, state
+dict and `isinstance(m, nn.Linear)` stay as they were); one without any
+stays an `nn.Linear`, since `gemm` would run cuBLAS for it at every M: that
+costs nothing per call. `unpatch` swaps the class back. Other modules,
 and subclasses of `nn.Linear` that bring their own forward, are left alone.
 So are layers with a bias unless `patch(model, bias=True)`: `F.linear` adds
 the bias in cuBLAS's epilogue, while the pool's kernels would need a second
 kernel for it, and the maps measured the product alone.
 
 A `TunedLinear` call whose M (rows of the flattened input) lies outside its
-intervals runs `F.linear` directly, as the unpatched layer does, after a
+intervals (the eager or the compiled set) runs `F.linear` directly, as the unpatched layer does, after a
 tuple test; inside them it goes to `gemm` (which still falls back to cuBLAS
 where it must) and the bias is added after. Once `gemm` has chosen a kernel
 for an M, the layer keeps its launch and calls it directly, skipping every
@@ -40,6 +47,8 @@ measured contiguous operands.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 import warnings
 from typing import Iterator
 
@@ -51,6 +60,10 @@ from tuner import dispatch
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
+# Host cost measurement: calls per timed batch, batches (the fastest counts).
+_COST_CALLS, _COST_BATCHES = 40, 5
+# Per CUDA device: (eager, compiled) host us per call the kernel path adds.
+_host_costs: dict[int, tuple[float, float]] = {}
 
 
 class PatchWarning(UserWarning):
@@ -60,15 +73,17 @@ class PatchWarning(UserWarning):
 class TunedLinear(nn.Linear):
     """An `nn.Linear` whose forward runs `gemm` at the M where a kernel may win."""
 
-    # M intervals where `gemm` may run a kernel, from the database at patch time.
+    # M intervals where `gemm` runs a kernel that saves more than the host
+    # cost of calling it, eager and in compiled graphs, from patch time.
     tuner_spans: tuple[tuple[int, int], ...] = ()
+    tuner_compiled_spans: tuple[tuple[int, int], ...] = ()
     # M -> the kernel launch `gemm` chose for this weight, kept after the first
     # eager call: a repeat call then skips gemm's checks but a's alignment.
     tuner_launchers: dict
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m = input.numel() // self.in_features
-        for lo, hi in self.tuner_spans:
+        for lo, hi in self.tuner_compiled_spans if torch.compiler.is_compiling() else self.tuner_spans:
             if lo <= m <= hi:
                 return self._tuned(input)
         return F.linear(input, self.weight, self.bias)
@@ -119,17 +134,27 @@ def patch(model: nn.Module, *, bias: bool = False) -> nn.Module:
             "move it to the GPU in bf16 or fp16 first", PatchWarning, stacklevel=2)
         return model
     found: dict[tuple, tuple] = {}
+    spans_of = {}
     for layer in layers:
         w = layer.weight
         key = (w.device.index, w.dtype, layer.out_features, layer.in_features)
         if key not in found:
             found[key] = dispatch.kernel_spans(*key)
-        spans = found[key][0]
-        if spans:
+        spans_of[layer] = found[key][0]
+        if spans_of[layer]:
             layer.__class__ = TunedLinear
-            layer.tuner_spans, layer.tuner_launchers = spans, {}
+            layer.tuner_launchers = {}
+            layer.tuner_spans = layer.tuner_compiled_spans = ()
         else:
             _restore(layer)
+    for device in {layer.weight.device.index for layer in layers if spans_of[layer]}:
+        on_device = [layer for layer in layers if spans_of[layer] and layer.weight.device.index == device]
+        eager, compiled = _costs(device, on_device, spans_of)
+        for layer in on_device:
+            layer.tuner_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= eager)
+            layer.tuner_compiled_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= compiled)
+            if not layer.tuner_spans and not layer.tuner_compiled_spans:
+                _restore(layer)
     untuned = {}
     for (_, dtype, n, k), (_, why) in found.items():
         if why is not None:
@@ -138,6 +163,13 @@ def patch(model: nn.Module, *, bias: bool = False) -> nn.Module:
         warnings.warn(f"tuner.patch: {len(shapes)} of {len(found)} linear shapes (N x K) run cuBLAS: {why}: "
                       f"{', '.join(shapes)}", PatchWarning, stacklevel=2)
     return model
+
+
+def host_costs(device: int | None = None) -> tuple[float, float] | None:
+    """The host us per call (eager, compiled) that `patch` measured the kernel
+    path to add on CUDA device `device` (default: the current one); None
+    before a patch needed them."""
+    return _host_costs.get(torch.cuda.current_device() if device is None else device)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -150,7 +182,50 @@ def unpatch(model: nn.Module) -> nn.Module:
 def _restore(layer: nn.Module) -> None:
     if type(layer) is TunedLinear:
         layer.__class__ = nn.Linear
-        del layer.tuner_spans, layer.tuner_launchers
+        del layer.tuner_spans, layer.tuner_compiled_spans, layer.tuner_launchers
+
+
+def _costs(device: int, layers: list[TunedLinear], spans_of: dict) -> tuple[float, float]:
+    """The (eager, compiled) host cost on `device` a saving must cover,
+    measured on the first call (`_measure_host_costs`). Under online tuning
+    every M may be measured and the savings are unknown (infinite): there is
+    nothing to measure against."""
+    if not any(math.isfinite(saving) for layer in layers for _, _, saving in spans_of[layer]):
+        return 0.0, 0.0
+    if device not in _host_costs:
+        layer = min(layers, key=lambda m: m.weight.numel())
+        _host_costs[device] = _measure_host_costs(layer, spans_of[layer][0][0])
+    return _host_costs[device]
+
+
+def _measure_host_costs(layer: TunedLinear, m: int) -> tuple[float, float]:
+    """Host us per call that the kernel path adds over cuBLAS's, (eager,
+    compiled), on `layer` at M = `m`: the launch kept by `TunedLinear`
+    against `F.linear`, and the registered op against `torch.mm` into a given
+    output (what a compiled graph calls for a linear). Each path is called in
+    batches without a sync, so the batch's wall time is the host's (the
+    device's queue does not fill); the fastest batch counts, and a negative
+    difference is none."""
+    w = layer.weight
+    x = torch.randn(m, layer.in_features, device=w.device, dtype=w.dtype)
+    wt, out = w.t(), torch.empty(m, layer.out_features, device=w.device, dtype=w.dtype)
+
+    def per_call(fn) -> float:
+        fn()  # builds, decides and keeps the launch
+        best = math.inf
+        for _ in range(_COST_BATCHES):
+            torch.cuda.synchronize(w.device)
+            start = time.perf_counter()
+            for _ in range(_COST_CALLS):
+                fn()
+            best = min(best, (time.perf_counter() - start) / _COST_CALLS)
+        torch.cuda.synchronize(w.device)
+        return 1e6 * best
+
+    with torch.no_grad():
+        eager = per_call(lambda: layer._tuned(x)) - per_call(lambda: F.linear(x, w))
+        compiled = per_call(lambda: torch.ops.gemm_tuner.gemm(x, wt, None)) - per_call(lambda: torch.mm(x, wt, out=out))
+    return max(0.0, eager), max(0.0, compiled)
 
 
 @contextlib.contextmanager
