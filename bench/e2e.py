@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -125,10 +126,15 @@ def _paired(fns: dict, run, rounds: int, prepare=lambda: None) -> dict:
         for _ in range(2):
             prepare()
             run(fns[variant])
-    for r in range(rounds):
-        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            prepare()
-            times[variant].append(_timed(lambda: run(fns[variant])))
+    gc.collect()
+    gc.disable()  # a collection inside one variant's run is host noise the other does not pay
+    try:
+        for r in range(rounds):
+            for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+                prepare()
+                times[variant].append(_timed(lambda: run(fns[variant])))
+    finally:
+        gc.enable()
     logs = [math.log(u / p) for u, p in zip(times["unpatched"], times["patched"])]
     return {"s": {v: trimmed_mean(t) for v, t in times.items()}, "speedup": math.exp(trimmed_mean(logs)),
             "spread": statistics.pstdev(logs)}
