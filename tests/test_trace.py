@@ -23,6 +23,8 @@ CONFIGS = [
     GemmConfig(scheduler="static_persistent", swizzle=4),
     GemmConfig(scheduler="dynamic_persistent", cluster_m=2),
     GemmConfig(scheduler="single_tile", tile_m=64, split_k=2),
+    # Each pingpong warpgroup records its own tiles.
+    GemmConfig(scheduler="dynamic_persistent", cluster_m=2, consumer="pingpong"),
 ]
 # (config, grouped form): every kernel class with the flag.
 BUILDS = [(c, "") for c in CONFIGS] + [
@@ -117,6 +119,8 @@ def test_summary_and_pictures_of_a_trace(tmp_path):
     (GemmConfig(scheduler="static_persistent", tile_n=256, swizzle=4), 32 * 16),
     (GemmConfig(scheduler="dynamic_persistent", tile_n=256, cluster_m=2, swizzle=4), 32 * 16),
     (GemmConfig(scheduler="single_tile", tile_m=64, split_k=2), 63 * 32 * 2),
+    (GemmConfig(scheduler="dynamic_persistent", cluster_m=2, swizzle=4, consumer="pingpong"), 32 * 32),
+    (GemmConfig(scheduler="single_tile", consumer="pingpong"), 32 * 32),
 ], ids=lambda x: x.name() if isinstance(x, GemmConfig) else str(x))
 @pytest.mark.parametrize("held", [0, 20])
 def test_traced_launch_records_every_tile_once(cfg, tiles, held):

@@ -30,9 +30,9 @@ BASELINE = "cublas"
 # Nearest tuned keys whose winners seed a new study.
 WARM_START_KEYS = 3
 # A measured (not modelled) study starts from the configs the analytic model
-# ranks best: this many. The model first ranks every tile and split-K shape
-# (static scheduler, no cluster), then every scheduler and cluster of the
-# MODEL_SHORTLIST best shapes (other knobs at sound values).
+# ranks best: this many. The model first ranks every tile, split-K and
+# consumer shape (static scheduler, no cluster), then every scheduler and
+# cluster of the MODEL_SHORTLIST best shapes (other knobs at sound values).
 MODEL_PICKS = 6
 MODEL_SHORTLIST = 16
 # The warm start's wave-fit tile: the largest tile (no smaller than the
@@ -374,24 +374,26 @@ def _cta_pair(arch: str, tile_m: int) -> dict:
 
 def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     """The `count` configs the analytic model predicts fastest for `key`, best
-    first, one per tile and split-K shape (with its best cluster): the model ranks shapes
-    better than it ranks schedulers, and the search tries the best measured
-    shape under every scheduler anyway.
+    first, one per tile, split-K and consumer shape (with its best cluster):
+    the model ranks shapes better than it ranks schedulers, and the search
+    tries the best measured shape under every scheduler anyway.
 
-    Every tile and split-K shape is ranked first (static persistent, the
-    smallest cluster: the model's wave quantization and edge-tile waste
-    decide), then every scheduler and cluster of the MODEL_SHORTLIST best.
+    Every shape is ranked first (static persistent, the smallest cluster: the
+    model's wave quantization, edge-tile waste and, for pingpong consumers,
+    epilogue overlap decide), then every scheduler and cluster of the
+    MODEL_SHORTLIST best.
     """
     knobs = space.knobs(key.arch)
     shapes = [
-        (tile, split_k, cta_group)
+        (tile, split_k, cta_group, consumer)
         for tile in _choices(key.arch)["tile"] for split_k in knobs["split_k"] for cta_group in knobs["cta_group"]
+        for consumer in knobs["consumer"]
     ]
     # The smallest cluster each shape takes (a 2-CTA MMA spans a pair).
     first = _scored(key, [("static_persistent", shape, f"{shape[2]}x1") for shape in shapes])
     shortlist = []
     for _, cfg in first:
-        shape = (f"{cfg.tile_m}x{cfg.tile_n}", cfg.split_k, cfg.cta_group)
+        shape = (f"{cfg.tile_m}x{cfg.tile_n}", cfg.split_k, cfg.cta_group, cfg.consumer)
         if shape not in shortlist:
             shortlist.append(shape)
     shortlist = shortlist[:MODEL_SHORTLIST]
@@ -399,7 +401,7 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     shapes: set[tuple] = set()
     out = []
     for _, cfg in scored:
-        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group)
+        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group, cfg.consumer)
         if shape not in shapes and len(out) < count:
             shapes.add(shape)
             out.append(cfg)
@@ -407,14 +409,14 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
 
 
 def _scored(key: Key, combos) -> list[tuple[float, GemmConfig]]:
-    """(predicted ms, config) of every (scheduler, (tile, split_k, cta_group),
-    cluster) that runs `key`, at its deepest pipeline, fastest first."""
+    """(predicted ms, config) of every (scheduler, (tile, split_k, cta_group,
+    consumer), cluster) that runs `key`, at its deepest pipeline, fastest first."""
     from tuner.model import predict_ms
 
     scored: list[tuple[float, GemmConfig]] = []
-    for sched, (tile, split_k, cta_group), cluster in combos:
+    for sched, (tile, split_k, cta_group, consumer), cluster in combos:
         cfg = _deepest(dict(
-            arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group,
+            arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group, consumer=consumer,
             swizzle=1 if sched == "single_tile" else 4,
             **dict(zip(_PAIRS["tile"], map(int, tile.split("x")))),
             **dict(zip(_PAIRS["cluster"], map(int, cluster.split("x")))),
