@@ -19,8 +19,9 @@ tile, and fills the record of each tile it computes:
 
 A record's slot is its tile's position ((group * tiles_m + tile_m) * tiles_n
 + tile_n), so no slot is shared and no atomic is needed: one thread of the
-CTA's first consumer warpgroup writes a tile's record, the scheduler warp
-only the claim word. The host fills the buffer with -1 first; a record whose
+consumers that computed a tile (the CTA's first consumer warpgroup, or with
+pingpong consumers the warpgroup whose turn it was) writes its record, the
+scheduler warp only the claim word. The host fills the buffer with -1 first; a record whose
 end is still -1 is a tile nobody ran. Without the flag none of this code is
 emitted (the PTX is the same as before the flag existed: tested).
 """
