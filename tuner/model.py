@@ -521,13 +521,12 @@ def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tup
         # A pingpong CTA runs two tiles, the second's mainloop under the
         # first's epilogue (pairs within a segment: pingpong is never grouped).
         free = _workers(plan.free_workers, held, 0.0, ideal)
-        turns = 2 if cfg.pingpong else 1
         for s in segs:
-            pairs, ones = divmod(s.tiles, turns) if cfg.pingpong else (0, s.tiles)
+            pairs, ones = divmod(s.tiles, 2) if cfg.pingpong else (0, s.tiles)
             pair = s.mainloop + max(s.mainloop, s.epilogue) + s.epilogue
             free = _greedy(free, pairs, dev.cta_start_us + fill + pair)
             free = _greedy(free, ones, dev.cta_start_us + fill + s.mainloop + s.epilogue)
-        free = _greedy(free, _cdiv(plan.grid - plan.tiles, turns), dev.cta_start_us)
+        free = _greedy(free, _cdiv(plan.grid - plan.tiles, 2 if cfg.pingpong else 1), dev.cta_start_us)
         finish = free
         end = float(free.max())
     elif cfg.scheduler == "static_persistent":
