@@ -106,6 +106,20 @@ def test_picks_take_pingpong_where_ctas_have_tiles_to_overlap():
     assert not any(c.pingpong for c in model_picks(Key("sm100", "dev", Problem(1024, 5376, 5376))))
 
 
+def test_pingpong_samples_draw_only_pingpong_tiles_and_never_split_k():
+    import optuna
+
+    from tuner.search import _suggest
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = [_suggest(study.ask(), "sm90") for _ in range(300)]
+    pingpong = [f for f in drawn if f["consumer"] == "pingpong"]
+    assert 100 < len(pingpong) < 200 and all("split_k" not in f for f in pingpong)
+    # At the shallowest pipeline every pingpong sample is a config: none is
+    # pruned for a tile or a split it cannot have.
+    assert all(space.is_valid({**f, "stages": 2}) for f in pingpong)
+
+
 def test_model_ranks_every_tile_shape_before_clusters_and_schedulers():
     # N = 43008 = 224 x 192: the whole-width tiles come first, not samples.
     key = Key("sm90", "dev", Problem(512, 43008, 5376))
