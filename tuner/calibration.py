@@ -205,7 +205,6 @@ def fit(data: list[KeySample], base: DeviceModel) -> tuple[DeviceModel, int]:
     step = FIRST_STEP
     while step >= LAST_STEP and evaluations < MAX_EVALUATIONS:
         improved = False
-        start = x
         for name in CALIBRATION_BOUNDS:
             for direction in (1.0, -1.0):
                 value = _clip(name, x[name] * math.exp(direction * step))
@@ -218,15 +217,6 @@ def fit(data: list[KeySample], base: DeviceModel) -> tuple[DeviceModel, int]:
                     break
         if not improved:
             step /= 2
-            continue
-        # Pattern move (Hooke-Jeeves): the sweep's displacement once more.
-        # Constants that trade off against each other (MMA efficiency and
-        # the per-k-block overhead both scale the mainloop) make narrow
-        # diagonal valleys that moves of one constant at a time stall in.
-        trial = {name: _clip(name, x[name] * x[name] / start[name]) for name in x}
-        candidate = loss(trial)
-        if candidate < best:
-            x, best = trial, candidate
     return replace(base, **x), evaluations
 
 
