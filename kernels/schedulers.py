@@ -6,7 +6,9 @@ batch. `decode_tile` turns an index into a tile; the scheduler decides which
 indices a cluster visits:
 
 - ``single_tile``: grid = every cluster tile; each cluster computes the tile of
-  its own index and stops.
+  its own index and stops. With ``turns`` 2 (pingpong consumers, which take
+  turns on a CTA's tiles) each cluster computes two consecutive indices, so
+  that both warpgroups have a tile: the grid is half as large.
 - ``static_persistent``: grid = the clusters that fit on the device at once;
   cluster c visits c, c + grid, c + 2 grid, ...
 - ``dynamic_persistent``: cluster c starts at c; afterwards the scheduler warp
@@ -72,6 +74,8 @@ class SchedulerSpec:
     swizzle: int = 1
     raster_m: bool = True
     depth: int = 1
+    # Consumer warpgroups that take turns on a CTA's tiles (pingpong: 2).
+    turns: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -85,6 +89,7 @@ class SchedulerSpec:
             swizzle=cfg.swizzle,
             raster_m=cfg.raster == "m",
             depth=cfg.sched_depth,
+            turns=2 if cfg.pingpong else 1,
         )
 
     @property
@@ -102,7 +107,9 @@ class SchedulerSpec:
         limit of y and z) still launches.
         """
         clusters = grid.count
-        if const_expr(self.kind != "single_tile"):
+        if const_expr(self.kind == "single_tile"):
+            clusters = _ceil_div(clusters, self.turns)
+        else:
             clusters = cutlass.min(clusters, max_clusters)
         return (self.cluster_mn[0] * clusters, self.cluster_mn[1], 1)
 
@@ -302,7 +309,8 @@ class TileScheduler:
         state = None
         if const_expr(spec.dynamic):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
-        return TileScheduler(spec, grid, Int32(gdimx) // cm, rank_mn, cluster, ring, state)
+        first = cluster * spec.turns if const_expr(spec.kind == "single_tile") else cluster
+        return TileScheduler(spec, grid, Int32(gdimx) // cm, rank_mn, first, ring, state)
 
     def _work(self) -> WorkTile:
         cl_m, cl_n, l = decode_tile(self._idx, self.grid, self.spec.swizzle, self.spec.raster_m)
@@ -319,8 +327,12 @@ class TileScheduler:
 
     def advance(self) -> WorkTile:
         """Move to this cluster's next tile (waits on the ring when dynamic)."""
-        if const_expr(self.spec.kind == "single_tile"):
+        if const_expr(self.spec.kind == "single_tile" and self.spec.turns == 1):
             self._idx = self.grid.count
+        elif const_expr(self.spec.kind == "single_tile"):
+            # The cluster's next index while it has turns left, then past the end.
+            nxt = self._idx + 1
+            self._idx = Int32(cutlass.select_(nxt % self.spec.turns == 0, self.grid.count, nxt))
         elif const_expr(self.spec.kind == "static_persistent"):
             self._idx = self._idx + self.num_clusters
         else:

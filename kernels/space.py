@@ -17,6 +17,11 @@ from typing import Iterator
 ARCHS = ("sm90", "sm100")
 SCHEDULERS = ("single_tile", "static_persistent", "dynamic_persistent", "clc")
 RASTERS = ("m", "n")
+# How the consumer warpgroups of an sm90 CTA share work: "cooperative" splits
+# each tile between them; "pingpong" gives each of two warpgroups its own
+# tile, in turns, so that one's epilogue runs under the other's mainloop
+# (CUTLASS KernelTmaWarpSpecializedPingpong).
+CONSUMERS = ("cooperative", "pingpong")
 
 # Bytes of one element, for the dtypes the pool accepts in and out.
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -41,11 +46,13 @@ TILE_K = 64
 # (CUDA C Programming Guide, compute capability 9.0); B200: 228 KB per SM,
 # 227 KB per block (compute capability 10.0).
 SMEM_BYTES = {"sm90": 232448, "sm100": 232448}
-# Reserved for mbarriers, the scheduler's smem ring and the CLC response.
+# Reserved for mbarriers (the pingpong turn barriers among them), the
+# scheduler's smem ring and the CLC response.
 SMEM_RESERVED = 1024
 # The sm90 epilogue stages the output through smem in sub-tiles of 32
 # columns, or 16 where 32 does not divide tile_n (`epi_subtile_n`): two fp32
 # buffers' worth of bytes, more buffers for narrower outputs (`epi_buffers`).
+# Pingpong warpgroups share these buffers: their epilogues take turns.
 EPI_SUBTILE_MAX_N = 32
 EPI_BUFFERS = 2
 # On sm100 an epilogue sub-tile holds 4096 elements whatever the CTA tile
@@ -94,6 +101,7 @@ _KNOBS = {
         "split_k": (1, 2, 3, 4, 8),
         "cta_group": (1,),
         "acc_stages": (1,),
+        "consumer": CONSUMERS,
     },
     "sm100": {
         "scheduler": SCHEDULERS,
@@ -109,6 +117,9 @@ _KNOBS = {
         "split_k": (1, 2, 4, 8),
         "cta_group": (1, 2),
         "acc_stages": (1, 2, 4),
+        # The tcgen05 MMA is issued by one thread; TMEM accumulator stages
+        # (acc_stages) are sm100's way of overlapping the epilogue.
+        "consumer": ("cooperative",),
     },
 }
 
@@ -127,6 +138,11 @@ class GemmConfig:
     sched_depth is how far ahead the atomic scheduler claims (1: when the
     current tile's loads are issued, 2: as they begin) or the CLC
     pipeline depth; it is 1 for schedulers that claim nothing.
+
+    consumer "pingpong" (sm90): two consumer warpgroups each compute a whole
+    tile_m x tile_n tile (tile_m 64 or 128, one warpgroup's rows), taking
+    alternate tiles of the CTA's schedule. Configs stored before the knob
+    existed have no such field and load as "cooperative".
     """
 
     arch: str = "sm90"
@@ -143,6 +159,7 @@ class GemmConfig:
     split_k: int = 1
     cta_group: int = 1
     acc_stages: int = 1
+    consumer: str = "cooperative"
 
     def __post_init__(self) -> None:
         validate(self)
@@ -170,8 +187,20 @@ class GemmConfig:
         return (self.cta_tile_m * self.cluster_m, self.tile_n * self.cluster_n)
 
     @property
+    def pingpong(self) -> bool:
+        return self.consumer == "pingpong"
+
+    @property
     def consumer_warpgroups(self) -> int:
+        """sm90 consumer warpgroups of a CTA."""
+        if self.pingpong:
+            return 2
         return {64: 1, 192: 3}.get(self.tile_m, 2)
+
+    @property
+    def tile_warpgroups(self) -> int:
+        """sm90 consumer warpgroups that share one tile (and its accumulators)."""
+        return 1 if self.pingpong else self.consumer_warpgroups
 
     def smem_bytes(self) -> int:
         return smem_bytes(self)
@@ -194,6 +223,8 @@ class GemmConfig:
             parts.append(f"k{self.split_k}")
         if self.arch == "sm100":
             parts.append(f"g{self.cta_group}a{self.acc_stages}")
+        if self.pingpong:
+            parts.append("pp")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -222,6 +253,8 @@ class GemmConfig:
             for part in parts[6:]:
                 if part == "tc":
                     fields_["tail_cancel"] = True
+                elif part == "pp":
+                    fields_["consumer"] = "pingpong"
                 elif part[0] == "d":
                     fields_["sched_depth"] = int(part[1:])
                 elif part[0] == "k":
@@ -343,7 +376,13 @@ def validate(cfg: GemmConfig) -> None:
         )
 
     if cfg.arch == "sm90":
-        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.consumer_warpgroups)
+        if cfg.pingpong and cfg.tile_m not in (64, 128):
+            raise InvalidConfig(f"a pingpong tile is one warpgroup's: tile_m 64 or 128, not {cfg.tile_m}")
+        # Split-K is for keys with few tiles, where a CTA rarely has a second
+        # tile to overlap; its fixup is built for one tile per CTA at a time.
+        if cfg.pingpong and cfg.split_k > 1:
+            raise InvalidConfig("pingpong consumers do not split K")
+        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.tile_warpgroups)
         share = sm90_launch_registers(cfg)
         most = share - SM90_NON_ACC_REGS
         if acc_per_thread > most:
@@ -390,6 +429,8 @@ def check_problem(
 ) -> None:
     """Raise InvalidConfig if `cfg` cannot run this problem (the can_implement check)."""
     check_operands(m, n, k, groups, dtype_in, dtype_out, layout)
+    if cfg.pingpong and groups > 1:
+        raise InvalidConfig("pingpong consumers are not built for grouped GEMM")
     if cfg.split_k > 1:
         if groups > 1:
             raise InvalidConfig("split-K is not combined with grouped GEMM")

@@ -24,12 +24,13 @@ tile, and fills the record of each tile it computes:
 
 A record's slot is its tile's position ((group * tiles_m + tile_m) * tiles_n
 + tile_n), so no slot is shared and no atomic is needed: one thread of the
-CTA's first consumer warpgroup (sm90) or of its epilogue warps (sm100)
-writes a tile's record, the scheduler warp only the claim word, and on sm100
-the leader CTA's MMA warp only the start words (of both CTA tiles of a 2-CTA
-MMA). The host fills the buffer with -1 first; a record whose end is still
--1 is a tile nobody ran. Without the flag none of this code is emitted (the
-PTX is the same as before the flag existed: tested).
+CTA's first consumer warpgroup (sm90; with pingpong consumers the warpgroup
+whose turn it was) or of its epilogue warps (sm100) writes a tile's record,
+the scheduler warp only the claim word, and on sm100 the leader CTA's MMA
+warp only the start words (of both CTA tiles of a 2-CTA MMA). The host fills
+the buffer with -1 first; a record whose end is still -1 is a tile nobody
+ran. Without the flag none of this code is emitted (the PTX is the same as
+before the flag existed: tested).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from kernels.space import GemmConfig, check_problem
 DYN = "dynamic_persistent"
 STATIC = "static_persistent"
 SINGLE = "single_tile"
+PP = "pingpong"
 
 
 def _v(layout="tn", dtype_in="bf16", dtype_out="bf16", **fields) -> kc.Variant:
@@ -60,6 +62,12 @@ OFFLINE = [
     _v("nn", scheduler=DYN, tile_m=192, tile_n=192, stages=3, cluster_m=2, cluster_n=2, sched_depth=2),
     _v(scheduler=SINGLE, tile_m=192, tile_n=176, stages=4, cluster_n=2, dtype_in="fp16", dtype_out="fp32"),
     _v(scheduler=DYN, tile_m=128, tile_n=144, stages=5, cluster_m=2, sched_depth=1),
+    # Pingpong consumers (two warpgroups, a tile each) under every scheduler,
+    # with clusters, both tile_m, 16-column epilogue sub-tiles.
+    _v(scheduler=STATIC, consumer=PP, swizzle=4),
+    _v("nn", scheduler=DYN, consumer=PP, cluster_m=2, sched_depth=2),
+    _v(scheduler=SINGLE, consumer=PP, tile_m=64, tile_n=256, cluster_n=2),
+    _v("nn", scheduler=DYN, consumer=PP, tile_m=64, tile_n=176, stages=6, dtype_out="fp32"),
 ]
 
 
@@ -92,6 +100,9 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     # Split-K slices count themselves on a tile semaphore and reduce in the kernel.
     assert ("atom.global.acq_rel.add" in k.ptx) == (v.cfg.scheduler == DYN or v.cfg.split_k > 1)
     assert ("fence.acq_rel.gpu" in k.ptx) == (v.cfg.split_k > 1)
+    # Pingpong warpgroups each sync their own epilogue: the barrier id is a
+    # register (the warpgroup's), the count one warpgroup.
+    assert bool(re.search(r"bar\.sync \t%r\d+, 128;", k.ptx)) == v.cfg.pingpong
     # Only a cluster's leader claims; others receive over DSMEM.
     assert ("st.async" in k.ptx) == (v.cfg.scheduler == DYN and v.cfg.cluster_size > 1)
     assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
@@ -191,6 +202,29 @@ NEW_TILE_SHAPES = [(300, 5000, 520), (512, 5376, 4096), (193, 176, 64), (1, 8, 8
 def test_new_tiles_correct(cfg, layout):
     _check(cfg, layout, NEW_TILE_SHAPES)
     _check(cfg, layout, NEW_TILE_SHAPES[:1], dtype_out="fp32")
+
+
+# Pingpong consumers under every scheduler: single_tile CTAs run two tiles
+# (or one, at the end); persistent ones alternate many tiles between the
+# two warpgroups (4096 x 4096: 1024 tiles of 128 x 128, ~8 per CTA).
+PINGPONG_CONFIGS = [
+    GemmConfig(scheduler=SINGLE, consumer=PP),
+    GemmConfig(scheduler=SINGLE, consumer=PP, tile_m=64, tile_n=256, cluster_n=2),
+    GemmConfig(scheduler=STATIC, consumer=PP, swizzle=4),
+    GemmConfig(scheduler=STATIC, consumer=PP, tile_m=64, tile_n=176, stages=6, cluster_m=2, cluster_n=2, raster="n"),
+    GemmConfig(scheduler=DYN, consumer=PP),
+    GemmConfig(scheduler=DYN, consumer=PP, cluster_m=2, sched_depth=2, swizzle=2),
+    GemmConfig(scheduler=DYN, consumer=PP, tile_m=64, tile_n=128, stages=8, cluster_n=2),
+]
+PINGPONG_SHAPES = SHAPES + [(4096, 4096, 512), (3000, 2056, 264)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", PINGPONG_CONFIGS, ids=lambda c: c.name())
+def test_pingpong_correct(cfg, layout):
+    _check(cfg, layout, PINGPONG_SHAPES)
+    _check(cfg, layout, PINGPONG_SHAPES[-1:], dtype_out="fp32")
 
 
 @pytest.mark.gpu

@@ -300,6 +300,22 @@ def test_the_model_prefers_the_tile_that_fills_the_wave():
     assert t[176] < t[224] < t[128]
 
 
+def test_pingpong_hides_epilogues_only_where_a_cta_has_two_tiles():
+    coop = GemmConfig(scheduler="static_persistent", tile_m=128, tile_n=128, stages=6, swizzle=4)
+    pp = replace(coop, consumer="pingpong")
+    # 132 tiles of 128x128: one per SM, no second tile to run under an epilogue.
+    one = Problem(128 * 11, 128 * 12, 4096)
+    assert predict_ms(one, pp, H100) == pytest.approx(predict_ms(one, coop, H100))
+    # Three per SM: two of the three epilogues hide under mainloops.
+    three = Problem(128 * 33, 128 * 12, 4096)
+    assert predict_ms(three, pp, H100) < predict_ms(three, coop, H100)
+    # single_tile: a pingpong CTA runs two tiles, so half the CTA starts.
+    single = Problem(128 * 66, 128 * 12, 4096)
+    assert predict_ms(single, replace(pp, scheduler="single_tile", swizzle=1), H100) < predict_ms(
+        single, replace(coop, scheduler="single_tile", swizzle=1), H100
+    )
+
+
 def test_narrow_epilogue_subtiles_cost_more():
     key = Key("sm90", "H100", Problem(4096, 4096, 4096))
     wide = predict_ms(key, GemmConfig(tile_m=128, tile_n=192, stages=4))

@@ -34,7 +34,7 @@ def test_model_picks_are_distinct_runnable_shapes_best_first():
         key = Key(arch, "dev", Problem(512, 5376, 21504))
         picks = model_picks(key, count=5)
         assert len(picks) == 5
-        shapes = {(c.tile_m, c.tile_n, c.split_k, c.cta_group) for c in picks}
+        shapes = {(c.tile_m, c.tile_n, c.split_k, c.cta_group, c.consumer) for c in picks}
         assert len(shapes) == 5
         times = [predict_ms(key, c) for c in picks]
         assert times == sorted(times)
@@ -93,6 +93,31 @@ def test_first_picks_of_27b_o_at_512_fill_one_wave_with_a_new_width():
     assert (first.tile_m, first.tile_n) == (128, 176)
     assert 120 <= _tiles_at(key, first) <= 132
     assert any(c.tile_n % 32 or c.tile_m == 192 for c in picks[:3])
+
+
+def test_picks_take_pingpong_where_ctas_have_tiles_to_overlap():
+    # 27B o at M = 1024: 128x112 pingpong tiles give 8 x 48 = 384 tiles, about
+    # three per SM, each epilogue under another tile's mainloop; at M = 8192
+    # the big cooperative tiles' operand reuse wins.
+    mid = model_picks(Key("sm90", "dev", Problem(1024, 5376, 5376)))
+    assert mid[0].pingpong and any(not c.pingpong for c in mid)
+    assert not model_picks(Key("sm90", "dev", Problem(8192, 5376, 5376)))[0].pingpong
+    # sm100 overlaps epilogues with TMEM accumulator stages instead.
+    assert not any(c.pingpong for c in model_picks(Key("sm100", "dev", Problem(1024, 5376, 5376))))
+
+
+def test_pingpong_samples_draw_only_pingpong_tiles_and_never_split_k():
+    import optuna
+
+    from tuner.search import _suggest
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = [_suggest(study.ask(), "sm90") for _ in range(300)]
+    pingpong = [f for f in drawn if f["consumer"] == "pingpong"]
+    assert 100 < len(pingpong) < 200 and all("split_k" not in f for f in pingpong)
+    # At the shallowest pipeline every pingpong sample is a config: none is
+    # pruned for a tile or a split it cannot have.
+    assert all(space.is_valid({**f, "stages": 2}) for f in pingpong)
 
 
 def test_model_ranks_every_tile_shape_before_clusters_and_schedulers():

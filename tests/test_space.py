@@ -20,7 +20,12 @@ def test_sm90_pool_size_and_scheduler_split():
     # Two claim depths for the atomic scheduler; single_tile has no swizzle.
     assert by_sched["dynamic_persistent"] == 2 * by_sched["static_persistent"]
     assert by_sched["single_tile"] * 4 == by_sched["static_persistent"]
-    assert len(configs) == 47528
+    # Pingpong: tile_m 64 (any width) or 128 up to 128 wide, no split-K.
+    pingpong = [c for c in configs if c.pingpong]
+    assert {c.tile_m for c in pingpong} == {64, 128} and {c.split_k for c in pingpong} == {1}
+    assert max(c.tile_n for c in pingpong if c.tile_m == 128) == 128
+    assert len(configs) - len(pingpong) == 47528
+    assert len(pingpong) == 11024
 
 
 @pytest.mark.parametrize(
@@ -41,6 +46,11 @@ def test_sm90_pool_size_and_scheduler_split():
         dict(arch="sm100", tile_m=256, tile_n=256, cta_group=2, cluster_m=2, acc_stages=2, stages=4),
         dict(arch="sm100", scheduler="clc", sched_depth=3, tail_cancel=True, cluster_m=4, cluster_n=4),
         dict(arch="sm100", tile_m=64, tile_n=32, stages=8, acc_stages=4),
+        # Pingpong: a whole tile per warpgroup, 128 accumulators a thread at most.
+        dict(consumer="pingpong", tile_m=128, tile_n=128, stages=6),
+        dict(consumer="pingpong", tile_m=64, tile_n=256, stages=5, cluster_n=2),
+        dict(consumer="pingpong", scheduler="dynamic_persistent", sched_depth=2, cluster_m=2),
+        dict(consumer="pingpong", scheduler="single_tile"),
     ],
 )
 def test_accepted(fields):
@@ -77,6 +87,12 @@ def test_accepted(fields):
         (dict(arch="sm100", scheduler="clc", tail_cancel=True, sched_depth=2, cluster_m=4, cluster_n=4,
               tile_n=256, stages=8), "shared memory"),
         (dict(arch="sm70"), "unknown arch"),
+        (dict(consumer="pingpong", tile_m=256, tile_n=64), "pingpong tile"),
+        (dict(consumer="pingpong", tile_m=192, tile_n=64), "pingpong tile"),
+        (dict(consumer="pingpong", tile_m=128, tile_n=144), "accumulator registers"),
+        (dict(consumer="pingpong", split_k=2, tile_m=64), "do not split K"),
+        (dict(consumer="cooperativ"), "consumer='cooperativ'"),
+        (dict(arch="sm100", consumer="pingpong"), "consumer='pingpong'"),
     ],
 )
 def test_rejected(fields, reason):
@@ -102,6 +118,9 @@ def test_register_budgets_fit_the_register_file():
     three = GemmConfig(tile_m=192, tile_n=128, stages=2)
     assert three.consumer_warpgroups == 3 and space.sm90_launch_registers(three) == 128
     assert space.sm90_launch_registers(GemmConfig(stages=2)) == 168
+    # Pingpong: two consumer warpgroups whatever tile_m, one per tile.
+    pp = GemmConfig(tile_m=64, consumer="pingpong", stages=2)
+    assert (pp.consumer_warpgroups, pp.tile_warpgroups) == (2, 1) and space.sm90_launch_registers(pp) == 168
 
 
 def test_smem_budget_is_the_stage_limit():
@@ -130,6 +149,11 @@ def test_check_problem(problem, reason):
         space.check_problem(cfg, **problem)
 
 
+def test_pingpong_is_not_grouped():
+    with pytest.raises(InvalidConfig, match="grouped"):
+        space.check_problem(GemmConfig(consumer="pingpong"), 4096, 512, 256, groups=8)
+
+
 def test_split_k_scratch_must_stay_int32_indexable():
     # Gemma 3 27B gate+up at M 8192: 8 slices of 128x64 tiles need 2.8e9 words.
     big = GemmConfig(split_k=8, tile_m=128, tile_n=64, cluster_m=2)
@@ -149,5 +173,14 @@ def test_sample_draws_valid_configs_of_every_scheduler():
 def test_round_trip_and_unknown_fields():
     cfg = GemmConfig(scheduler="dynamic_persistent", sched_depth=2)
     assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    # A config stored before the consumer knob existed is cooperative, and
+    # cooperative names are what they were; pingpong ones end in -pp.
+    old = {k: v for k, v in cfg.to_dict().items() if k != "consumer"}
+    assert GemmConfig.from_dict(old) == cfg and cfg.consumer == "cooperative"
+    assert cfg.name() == "sm90-dynamic_persistent-t128x128-c1x1-s4-w1m-d2"
+    pp = GemmConfig(scheduler="dynamic_persistent", sched_depth=2, consumer="pingpong")
+    assert pp.name() == "sm90-dynamic_persistent-t128x128-c1x1-s4-w1m-d2-pp"
+    assert GemmConfig.from_name(pp.name()) == pp and GemmConfig.from_name(cfg.name()) == cfg
+    assert GemmConfig.from_dict(pp.to_dict()) == pp
     with pytest.raises(InvalidConfig, match="unknown config fields"):
         GemmConfig.from_dict({**cfg.to_dict(), "bogus": 1})

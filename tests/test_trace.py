@@ -23,6 +23,8 @@ CONFIGS = [
     GemmConfig(scheduler="static_persistent", swizzle=4),
     GemmConfig(scheduler="dynamic_persistent", cluster_m=2),
     GemmConfig(scheduler="single_tile", tile_m=64, split_k=2),
+    # Each pingpong warpgroup records its own tiles.
+    GemmConfig(scheduler="dynamic_persistent", cluster_m=2, consumer="pingpong"),
 ]
 _TWO_CTA = dict(arch="sm100", tile_m=256, tile_n=128, cluster_m=2, cta_group=2, acc_stages=2)
 # (config, grouped form): every kernel class with the flag, every scheduler
@@ -141,6 +143,8 @@ def test_busy_time_counts_overlapping_tiles_once():
     (GemmConfig(scheduler="static_persistent", tile_n=256, swizzle=4), 32 * 16),
     (GemmConfig(scheduler="dynamic_persistent", tile_n=256, cluster_m=2, swizzle=4), 32 * 16),
     (GemmConfig(scheduler="single_tile", tile_m=64, split_k=2), 63 * 32 * 2),
+    (GemmConfig(scheduler="dynamic_persistent", cluster_m=2, swizzle=4, consumer="pingpong"), 32 * 32),
+    (GemmConfig(scheduler="single_tile", consumer="pingpong"), 32 * 32),
     # Never run: no Blackwell GPU was at hand (README, "Not yet verified on real hardware").
     (GemmConfig(scheduler="static_persistent", swizzle=4, **_TWO_CTA), 32 * 32),
     (GemmConfig(arch="sm100", scheduler="dynamic_persistent", tile_n=256, cluster_m=2, swizzle=4), 32 * 16),

@@ -10,7 +10,10 @@ A prediction has three layers:
    tiles, set by raster order and swizzle) and load latency that too few
    pipeline stages cannot hide. The epilogue (output store) is overlapped
    with the next tile's mainloop to a degree that depends on the scheduler
-   and, on sm100, on the accumulator stages in TMEM.
+   and, on sm100, on the accumulator stages in TMEM; sm90 pingpong consumers
+   run one warpgroup's epilogue under the other's mainloop, so a worker
+   with several tiles pays max(mainloop, epilogue) per tile (their
+   epilogues take turns too), one with a single tile all of both.
 2. Assignment of tiles to workers (clusters), simulated over the workers:
    static persistent gives tile i to worker i mod W; dynamic (atomic counter)
    and CLC hand the next tile to whichever worker claims first; single-tile
@@ -63,7 +66,7 @@ from kernels.space import (
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
 
-MODEL_VERSION = "3"
+MODEL_VERSION = "4"
 
 
 @dataclass(frozen=True)
@@ -447,8 +450,8 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     # MMA issue per SM: the hardware computes the whole tile, edge or not.
     mma_clk = 2.0 * cfg.cta_tile_m * cfg.tile_n * TILE_K / dev.flops_per_clk_sm
     if cfg.arch == "sm90":
-        # Every consumer warpgroup reads the whole B slice from smem.
-        smem = (cfg.cta_tile_m + cfg.tile_n * cfg.consumer_warpgroups) * TILE_K * e
+        # Every warpgroup of the tile reads the whole B slice from smem.
+        smem = (cfg.cta_tile_m + cfg.tile_n * cfg.tile_warpgroups) * TILE_K * e
     else:
         smem = (cfg.cta_tile_m + cfg.tile_n // cfg.cta_group) * TILE_K * e
     core_clk = max(mma_clk, smem / dev.smem_read_bytes_per_clk) + dev.kblock_overhead_clk
@@ -515,10 +518,15 @@ def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tup
     if cfg.scheduler == "single_tile":
         # The block scheduler hands each CTA to whichever SM frees first; every
         # tile pays a CTA start, its pipeline fill and its whole epilogue.
+        # A pingpong CTA runs two tiles, the second's mainloop under the
+        # first's epilogue (pairs within a segment: pingpong is never grouped).
         free = _workers(plan.free_workers, held, 0.0, ideal)
         for s in segs:
-            free = _greedy(free, s.tiles, dev.cta_start_us + fill + s.mainloop + s.epilogue)
-        free = _greedy(free, plan.grid - plan.tiles, dev.cta_start_us)
+            pairs, ones = divmod(s.tiles, 2) if cfg.pingpong else (0, s.tiles)
+            pair = s.mainloop + max(s.mainloop, s.epilogue) + s.epilogue
+            free = _greedy(free, pairs, dev.cta_start_us + fill + pair)
+            free = _greedy(free, ones, dev.cta_start_us + fill + s.mainloop + s.epilogue)
+        free = _greedy(free, _cdiv(plan.grid - plan.tiles, 2 if cfg.pingpong else 1), dev.cta_start_us)
         finish = free
         end = float(free.max())
     elif cfg.scheduler == "static_persistent":
@@ -557,9 +565,10 @@ def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tup
 
 
 def _exposed_epilogue(cfg: GemmConfig, s: _Segment, dev: DeviceModel) -> float:
-    if cfg.arch == "sm100" and cfg.acc_stages > 1:
+    if cfg.arch == "sm100" and cfg.acc_stages > 1 or cfg.pingpong:
         # Double-buffered TMEM: the epilogue warps drain one accumulator
-        # while the MMA warp fills the next.
+        # while the MMA warp fills the next. Pingpong (sm90): one warpgroup
+        # stores a tile while the other runs the next tile's mainloop.
         return max(0.0, s.epilogue - s.mainloop)
     return dev.epilogue_exposed * s.epilogue
 

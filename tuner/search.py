@@ -30,9 +30,9 @@ BASELINE = "cublas"
 # Nearest tuned keys whose winners seed a new study.
 WARM_START_KEYS = 3
 # A measured (not modelled) study starts from the configs the analytic model
-# ranks best: this many. The model first ranks every tile and split-K shape
-# (static scheduler, no cluster), then every scheduler and cluster of the
-# MODEL_SHORTLIST best shapes (other knobs at sound values).
+# ranks best: this many. The model first ranks every tile, split-K and
+# consumer shape (static scheduler, no cluster), then every scheduler and
+# cluster of the MODEL_SHORTLIST best shapes (other knobs at sound values).
 MODEL_PICKS = 6
 MODEL_SHORTLIST = 16
 # The warm start's wave-fit tile: the largest tile (no smaller than the
@@ -241,16 +241,28 @@ def _scheduler_variants(cfg: GemmConfig) -> list[GemmConfig]:
 
 
 def _suggest(trial: optuna.Trial, arch: str) -> dict:
-    """Sample the knobs; those that do not apply to the scheduler stay neutral.
+    """Sample the knobs; those that do not apply to the scheduler or the
+    consumers stay neutral.
 
     Tile and cluster shapes are sampled as one categorical each (every
     combination the space offers): fewer parameters make each trial cheaper
-    to sample and store.
+    to sample and store. Pingpong consumers draw their tile from the tiles
+    one warpgroup holds ("pingpong_tile") and never split K, so that a
+    pingpong sample is not pruned for a tile or a split it cannot have.
     """
     knobs = space.knobs(arch)
+    choices_ = _choices(arch)
     fields = {"arch": arch}
     sched = fields["scheduler"] = trial.suggest_categorical("scheduler", knobs["scheduler"])
-    for name, choices in _choices(arch).items():
+    pingpong = False
+    if "consumer" in choices_:
+        fields["consumer"] = trial.suggest_categorical("consumer", choices_["consumer"])
+        pingpong = fields["consumer"] == "pingpong"
+    for name, choices in choices_.items():
+        if name == "consumer" or name == ("tile" if pingpong else _PINGPONG_TILE):
+            continue
+        if name == "split_k" and pingpong:
+            continue
         if name == "sched_depth" and sched not in ("dynamic_persistent", "clc"):
             continue
         if name == "tail_cancel" and sched != "clc":
@@ -266,20 +278,25 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
     return fields
 
 
-_PAIRS = {"tile": ("tile_m", "tile_n"), "cluster": ("cluster_m", "cluster_n")}
+_PINGPONG_TILE = "pingpong_tile"
+_PAIRS = {"tile": ("tile_m", "tile_n"), _PINGPONG_TILE: ("tile_m", "tile_n"), "cluster": ("cluster_m", "cluster_n")}
 
 
 @functools.cache
 def _choices(arch: str) -> dict[str, tuple]:
     """The sampled parameters of `arch` and their values (single-valued knobs
     left out); tile shapes that no config can build (accumulators beyond the
-    registers) are not offered."""
+    registers) are not offered, and pingpong tiles are a parameter of their
+    own where the arch has pingpong consumers."""
     knobs = space.knobs(arch)
     out = {}
     for pair, (first, second) in _PAIRS.items():
+        consumer = "pingpong" if pair == _PINGPONG_TILE else "cooperative"
+        if consumer not in knobs["consumer"]:
+            continue
         out[pair] = tuple(
             f"{a}x{b}" for a in knobs[first] for b in knobs[second]
-            if pair != "tile" or _buildable_tile(arch, a, b)
+            if pair == "cluster" or _buildable_tile(arch, a, b, consumer)
         )
     for name, choices in knobs.items():
         paired = any(name in names for names in _PAIRS.values())
@@ -288,13 +305,13 @@ def _choices(arch: str) -> dict[str, tuple]:
     return out
 
 
-def _buildable_tile(arch: str, tile_m: int, tile_n: int) -> bool:
-    """Whether some config of `arch` has this MMA tile (at its fewest stages)."""
+def _buildable_tile(arch: str, tile_m: int, tile_n: int, consumer: str = "cooperative") -> bool:
+    """Whether some config of `arch` with `consumer`s has this MMA tile (at its fewest stages)."""
     knobs = space.knobs(arch)
     fewest = min(knobs["stages"])
     for cta_group in knobs["cta_group"]:
         fields = dict(arch=arch, tile_m=tile_m, tile_n=tile_n, stages=fewest, cta_group=cta_group,
-                      cluster_m=cta_group)
+                      cluster_m=cta_group, consumer=consumer)
         if space.is_valid(fields):
             return True
     return False
@@ -303,6 +320,8 @@ def _buildable_tile(arch: str, tile_m: int, tile_n: int) -> bool:
 def _params(cfg: GemmConfig) -> dict:
     params = {"scheduler": cfg.scheduler}
     for name in _choices(cfg.arch):
+        if name == ("tile" if cfg.pingpong else _PINGPONG_TILE):
+            continue
         if name in _PAIRS:
             first, second = _PAIRS[name]
             params[name] = f"{getattr(cfg, first)}x{getattr(cfg, second)}"
@@ -374,24 +393,26 @@ def _cta_pair(arch: str, tile_m: int) -> dict:
 
 def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     """The `count` configs the analytic model predicts fastest for `key`, best
-    first, one per tile and split-K shape (with its best cluster): the model ranks shapes
-    better than it ranks schedulers, and the search tries the best measured
-    shape under every scheduler anyway.
+    first, one per tile, split-K and consumer shape (with its best cluster):
+    the model ranks shapes better than it ranks schedulers, and the search
+    tries the best measured shape under every scheduler anyway.
 
-    Every tile and split-K shape is ranked first (static persistent, the
-    smallest cluster: the model's wave quantization and edge-tile waste
-    decide), then every scheduler and cluster of the MODEL_SHORTLIST best.
+    Every shape is ranked first (static persistent, the smallest cluster: the
+    model's wave quantization, edge-tile waste and, for pingpong consumers,
+    epilogue overlap decide), then every scheduler and cluster of the
+    MODEL_SHORTLIST best.
     """
     knobs = space.knobs(key.arch)
     shapes = [
-        (tile, split_k, cta_group)
+        (tile, split_k, cta_group, consumer)
         for tile in _choices(key.arch)["tile"] for split_k in knobs["split_k"] for cta_group in knobs["cta_group"]
+        for consumer in knobs["consumer"]
     ]
     # The smallest cluster each shape takes (a 2-CTA MMA spans a pair).
     first = _scored(key, [("static_persistent", shape, f"{shape[2]}x1") for shape in shapes])
     shortlist = []
     for _, cfg in first:
-        shape = (f"{cfg.tile_m}x{cfg.tile_n}", cfg.split_k, cfg.cta_group)
+        shape = (f"{cfg.tile_m}x{cfg.tile_n}", cfg.split_k, cfg.cta_group, cfg.consumer)
         if shape not in shortlist:
             shortlist.append(shape)
     shortlist = shortlist[:MODEL_SHORTLIST]
@@ -399,7 +420,7 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     shapes: set[tuple] = set()
     out = []
     for _, cfg in scored:
-        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group)
+        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group, cfg.consumer)
         if shape not in shapes and len(out) < count:
             shapes.add(shape)
             out.append(cfg)
@@ -407,14 +428,14 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
 
 
 def _scored(key: Key, combos) -> list[tuple[float, GemmConfig]]:
-    """(predicted ms, config) of every (scheduler, (tile, split_k, cta_group),
-    cluster) that runs `key`, at its deepest pipeline, fastest first."""
+    """(predicted ms, config) of every (scheduler, (tile, split_k, cta_group,
+    consumer), cluster) that runs `key`, at its deepest pipeline, fastest first."""
     from tuner.model import predict_ms
 
     scored: list[tuple[float, GemmConfig]] = []
-    for sched, (tile, split_k, cta_group), cluster in combos:
+    for sched, (tile, split_k, cta_group, consumer), cluster in combos:
         cfg = _deepest(dict(
-            arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group,
+            arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group, consumer=consumer,
             swizzle=1 if sched == "single_tile" else 4,
             **dict(zip(_PAIRS["tile"], map(int, tile.split("x")))),
             **dict(zip(_PAIRS["cluster"], map(int, cluster.split("x")))),

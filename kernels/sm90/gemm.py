@@ -11,6 +11,13 @@ and the scheduler warp (dynamic scheduler only); one consumer warpgroup
 -> smem -> global by TMA stores in (tile_m x `epi_subtile_n`) sub-tiles.
 Every role walks the tiles given by `kernels.schedulers`.
 
+With pingpong consumers (CUTLASS's KernelTmaWarpSpecializedPingpong) two
+consumer warpgroups each compute whole tiles: the first takes the 1st, 3rd,
+5th ... tile of the CTA's schedule, the second the others, and the load warp
+fills the ring in that order. They take turns through an ordered barrier,
+mainloop after mainloop and epilogue after epilogue, so that one
+warpgroup's epilogue runs while the other's WGMMAs keep the tensor cores busy.
+
 Split-K walks K slices as batches: with S = split_k the kernel sees A as
 (M, K/S, S) and B as (N, K/S, S), and reduces in the kernel. Every slice
 parks its fp32 accumulators in a scratch buffer and counts itself on its
@@ -50,7 +57,11 @@ _THREADS_PER_GROUP = 128
 _LOAD_WARP = 0
 _SCHED_WARP = 1
 _SMEM_ALIGN = 1024
+# Pingpong warpgroups use this id and the next.
 _EPILOGUE_BARRIER_ID = 1
+# Pingpong turns: (mainloop, epilogue) sections of each of two warpgroups.
+_TURN_SECTIONS = 2
+_TURN_GROUPS = 2
 
 
 class Sm90GemmKernel:
@@ -75,13 +86,18 @@ class Sm90GemmKernel:
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.stages = cfg.stages
         self.split_k = cfg.split_k
+        self.pingpong = cfg.pingpong
         self.mma_groups = cfg.consumer_warpgroups
+        # Warpgroups, and their threads, that share one tile's WGMMAs,
+        # accumulators and epilogue: all consumers, or one with pingpong.
+        self.tile_groups = cfg.tile_warpgroups
+        self.mma_threads = self.tile_groups * _THREADS_PER_GROUP
         self.threads = (1 + self.mma_groups) * _THREADS_PER_GROUP
-        self.mma_threads = self.mma_groups * _THREADS_PER_GROUP
         # setmaxnreg budgets: the producer warpgroup gives registers to the
         # consumers, which hold the accumulators (`kernels.space` sizes them).
         self.producer_regs, self.consumer_regs = sm90_registers(cfg)
-        # Ring consumers per CTA: the load warp and every consumer warp.
+        # Ring consumers per CTA: the load warp and every consumer warp
+        # (pingpong warpgroups too receive every index, to skip the other's).
         self.ring_consumer_warps = 1 + self.mma_groups * _WARPS_PER_GROUP
         self.ring_words = ClaimRing.storage_words(self.sched)
         self.epi_tile = (cfg.tile_m, epi_subtile_n(cfg))
@@ -126,7 +142,7 @@ class Sm90GemmKernel:
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             cutlass.Float32,
-            (self.mma_groups, 1, 1),
+            (self.tile_groups, 1, 1),
             tiler_mn=(64, self.tile_mn[1]),
         )
         self.tile_mnk = (*self.tile_mn, TILE_K)
@@ -198,6 +214,7 @@ class Sm90GemmKernel:
             ring_bars: cute.struct.MemRange[Int64, self.ring_words[0]]
             ring_slots: cute.struct.Align[cute.struct.MemRange[Int32, self.ring_words[1]], 16]
             arrivals: cute.struct.MemRange[Int32, 1]
+            turn_bars: cute.struct.MemRange[Int64, _TURN_SECTIONS * _TURN_GROUPS if self.pingpong else 0]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], _SMEM_ALIGN]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], _SMEM_ALIGN]
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], _SMEM_ALIGN]
@@ -248,7 +265,7 @@ class Sm90GemmKernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         self._prefetch_descriptors(warp_idx, (tma_a, tma_b, tma_c))
 
-        (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
+        (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring, turns,
          sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
 
         # (bM, bK, tiles_m, tiles_k, l) and friends
@@ -297,11 +314,17 @@ class Sm90GemmKernel:
                 TileScheduler.create(self.sched, grid, ring).serve_claims(sched_buf, trace)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._consume(
-                tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
-                TileScheduler.create(self.sched, grid, ring),
-                sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)), trace,
-            )
+            if const_expr(self.pingpong):
+                self._consume_pingpong(
+                    tiled_mma, load_pipe, turns, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
+                    TileScheduler.create(self.sched, grid, ring), trace,
+                )
+            else:
+                self._consume(
+                    tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
+                    TileScheduler.create(self.sched, grid, ring),
+                    sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)), trace,
+                )
 
     @cute.jit
     def _consume(
@@ -339,6 +362,67 @@ class Sm90GemmKernel:
                     trace.record(work.tile, start, trace_now())
             work = sched.advance()
         epi.store_pipe.producer_tail()
+
+    @cute.jit
+    def _consume_pingpong(
+        self, tiled_mma, load_pipe, turns, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx, sched,
+        trace=None,
+    ):
+        """One pingpong consumer warpgroup: every other tile of the CTA's schedule, whole.
+
+        A warpgroup takes two turns per tile on `turns` (a `pipeline.PipelineOrder`,
+        CUTLASS's ordered sequence barrier), each after the other warpgroup's
+        same turn: its mainloop, so that it waits on ring stages only once the
+        other has taken all of its own (a full barrier's parity tells apart
+        only two passes of the ring), and its epilogue, since the two share
+        the staging buffers. The mainloop turn passes on once its WGMMAs are
+        issued, the epilogue turn once its TMA stores have read the buffers.
+        """
+        turn = group_idx - 1
+        mma_tidx = tidx % _THREADS_PER_GROUP
+        thr_mma = tiled_mma.get_slice(0)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], cutlass.Float32)
+
+        epi = self._epilogue(tiled_mma, sC, acc, mma_tidx, warp_idx, turn)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        order = turns.state.clone()
+        store_pipe, store_warp = epi.store_pipe, epi.store_warp
+        subtiles_done = Int32(0)
+        # Every tile has the same k-blocks: the other warpgroup's tile is a
+        # fixed stretch of the ring to step over.
+        skip = Int32(k_tiles)
+
+        work = sched.initial_work()
+        if turn == 1:
+            work = sched.advance()
+            read.advance(skip)
+            release.advance(skip)
+        while work.is_valid:
+            m, n, l = work.tile
+            turns.wait(order)
+            if const_expr(trace is not None):
+                start = trace_now()
+            read, release = self._mma_issue(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
+            order = turns.arrive(order)
+            release = self._mma_drain(load_pipe, k_tiles, release)
+            turns.wait(order)
+            subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
+            if store_warp:
+                store_pipe.producer_tail()
+            # Every thread arrives: the turn passes after the store warp's wait.
+            order = turns.arrive(order)
+            if const_expr(trace is not None):
+                if mma_tidx == 0:
+                    trace.record(work.tile, start, trace_now())
+            work = sched.advance()
+            if work.is_valid:
+                work = sched.advance()
+            read.advance(skip)
+            release.advance(skip)
+        store_pipe.producer_tail()
 
     @cute.jit
     def _reduce_slices(self, scratch: "_SplitKScratch", acc, tile_id, l, mma_tidx, bar) -> Boolean:
@@ -393,21 +477,22 @@ class Sm90GemmKernel:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        load_pipe, ring = self._pipelines(storage, a_smem, b_smem, cluster_layout)
+        load_pipe, ring, turns = self._pipelines(storage, a_smem, b_smem, cluster_layout)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
-        return cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring, sA, sB, sC
+        return cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring, turns, sA, sB, sC
 
     def _pipelines(self, storage, a_smem, b_smem, cluster_layout):
-        """(TMA load pipeline, claim ring or None); barrier init is deferred to the cluster sync."""
+        """(TMA load pipeline, claim ring or None, pingpong turns or None); barrier
+        init is deferred to the cluster sync."""
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.b_dtype, cute.slice_(b_smem, (None, None, 0))
         )
-        # Every consumer warp releases a stage once per CTA that filled it.
-        releases = (self.a_mcast + self.b_mcast - 1) * self.mma_groups * _WARPS_PER_GROUP
+        # Every warp of the tile's consumers releases a stage once per CTA that filled it.
+        releases = (self.a_mcast + self.b_mcast - 1) * self.tile_groups * _WARPS_PER_GROUP
         load_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.load_bars.data_ptr(),
             num_stages=self.stages,
@@ -422,7 +507,19 @@ class Sm90GemmKernel:
             ring = ClaimRing.create(
                 self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(), self.ring_consumer_warps
             )
-        return load_pipe, ring
+        turns = None
+        if const_expr(self.pingpong):
+            tidx, _, _ = cute.arch.thread_idx()
+            turns = pipeline.PipelineOrder.create(
+                barrier_storage=storage.turn_bars.data_ptr(),
+                depth=_TURN_SECTIONS,
+                length=_TURN_GROUPS,
+                # The consumer warpgroup's place in the turns (the producer's is unused).
+                group_id=cute.arch.make_warp_uniform(tidx // _THREADS_PER_GROUP) - 1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _THREADS_PER_GROUP),
+                defer_sync=True,
+            )
+        return load_pipe, ring, turns
 
     @cute.jit
     def _load_tile(self, sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
@@ -443,6 +540,14 @@ class Sm90GemmKernel:
     @cute.jit
     def _mma_tile(self, tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release):
         """acc = the tile's product over `k_tiles` k-blocks of the ring; returns the advanced states."""
+        read, release = self._mma_issue(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
+        return read, self._mma_drain(load_pipe, k_tiles, release)
+
+    @cute.jit
+    def _mma_issue(self, tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release):
+        """Issue the WGMMAs of acc = the tile's product over `k_tiles` k-blocks
+        of the ring, the last k-block's still in flight (`_mma_drain` waits);
+        returns the advanced states."""
         k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -460,14 +565,20 @@ class Sm90GemmKernel:
                 cute.nvgpu.warpgroup.wait_group(1)
                 load_pipe.consumer_release(release)
                 release.advance()
+        return read, release
+
+    @cute.jit
+    def _mma_drain(self, load_pipe, k_tiles, release):
+        """Wait for the tile's last WGMMAs and release their stage; returns the advanced state."""
         cute.nvgpu.warpgroup.wait_group(0)
         if k_tiles > 0:
             load_pipe.consumer_release(release)
             release.advance()
-        return read, release
+        return release
 
-    def _epilogue(self, tiled_mma, sC, acc, mma_tidx, warp_idx) -> "_Epilogue":
-        """The registers -> smem -> TMA-store machinery of one consumer thread."""
+    def _epilogue(self, tiled_mma, sC, acc, mma_tidx, warp_idx, turn=0) -> "_Epilogue":
+        """The registers -> smem -> TMA-store machinery of one consumer thread
+        (of pingpong warpgroup `turn`: each has its own barrier and store warp)."""
         e = _Epilogue()
         # registers -> smem copy of one epilogue sub-tile
         r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
@@ -486,12 +597,12 @@ class Sm90GemmKernel:
         e.row_blocks = cute.size(e.sub_acc, mode=[1])
         e.sub_chunks = cute.size(e.sub_acc, mode=[2])
         e.block_vals = cute.size(e.tRS_acc, mode=[0])
-        e.bar = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID, num_threads=self.mma_threads)
+        e.bar = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID + turn, num_threads=self.mma_threads)
         e.store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
         )
-        e.store_warp = warp_idx == _WARPS_PER_GROUP
+        e.store_warp = warp_idx == _WARPS_PER_GROUP * (1 + turn)
         return e
 
     @cute.jit

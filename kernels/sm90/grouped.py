@@ -59,6 +59,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             raise InvalidConfig(f"unknown grouped form {form!r}; expected one of {FORMS}")
         if cfg.split_k != 1:
             raise InvalidConfig("grouped kernels do not split K")
+        if cfg.pingpong:
+            raise InvalidConfig("grouped kernels have cooperative consumers only")
 
     # ------------------------------------------------------------------ host side
 
@@ -167,7 +169,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         self._prefetch_descriptors(warp_idx, (tma_a, tma_b, tma_c))
 
-        (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring,
+        (cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring, _,
          sA, sB, sC) = self._cta_start(a_smem, b_smem, c_smem)
 
         tm, tn, tk = self.tile_mnk
