@@ -84,9 +84,17 @@ class DeviceModel:
     mma_efficiency: float
     hbm_efficiency: float      # achievable fraction of peak DRAM bandwidth
     kblock_overhead_clk: int   # per-k-block barrier / issue cost of the mainloop
+    # sm90: issue cost of one wgmma.m64nNk16 beyond its N / 2 MMA clocks (the
+    # A fragment's shared-memory read, the async-group bookkeeping): a CTA
+    # tile of M rows issues M / 64 * 4 of them per 64-deep k-block, so tall,
+    # narrow tiles (256x112, 192x128) pay more per FLOP than 128x224.
+    wgmma_issue_clk: float = 40.0
     smem_read_bytes_per_clk: int = 128
     sm_load_bytes_per_clk: int = 128   # TMA load bandwidth one SM can pull
-    load_latency_us: float = 0.6       # TMA load round trip under load
+    load_latency_us: float = 0.6       # TMA load round trip, unloaded
+    # Share of the shorter of a launch's compute and memory paths that is
+    # not hidden behind the longer one (0: perfect overlap).
+    overlap_loss: float = 0.1
     launch_us: float = 2.0             # kernel launch + drain, back to back
     cta_start_us: float = 1.0          # CTA launch, barrier init, descriptor prefetch, exit
     epilogue_fixed_us: float = 0.5     # accumulators -> smem -> TMA store issue
@@ -138,7 +146,7 @@ H100 = DeviceModel(
 B200 = DeviceModel(
     name="B200-model", arch="sm100", sms=148, flops_per_clk_sm=8192, clock_hz=1.856e9,
     hbm_bw=8.0e12, l2_bytes=int(126.5 * 2**20), l2_bw=20e12, smem_per_sm=228 * 1024,
-    mma_efficiency=0.75, hbm_efficiency=0.88, kblock_overhead_clk=32,
+    mma_efficiency=0.75, hbm_efficiency=0.88, kblock_overhead_clk=32, wgmma_issue_clk=0.0,
 )
 
 DEVICES = {"sm90": H100, "sm100": B200}
@@ -160,6 +168,8 @@ CALIBRATION_BOUNDS = {
     "l2_bw": (3e12, 30e12),
     "sm_load_bytes_per_clk": (32.0, 256.0),
     "load_latency_us": (0.2, 3.0),
+    "wgmma_issue_clk": (1.0, 120.0),
+    "overlap_loss": (0.01, 1.0),
     "launch_us": (0.5, 10.0),
     "cta_start_us": (0.1, 5.0),
     "epilogue_fixed_us": (0.05, 5.0),
@@ -196,10 +206,12 @@ class _Segment:
     """A run of consecutive work tiles with the same cost."""
 
     tiles: int
-    mainloop: float     # us, MMA mainloop of one tile
+    mainloop: float     # us, mainloop of one tile on its compute path (MMA issue, L2 loads)
     epilogue: float     # us, the full epilogue of one tile
     lead: float         # us, how far the producer runs ahead of the MMA
-    bound: str
+    bound: str          # the compute path's bound: "compute" or "l2"
+    waits: float = 0.0  # us, one tile's unloaded load latency not covered by its stages
+    hbm_bytes: float = 0.0  # DRAM bytes of one tile (operands after L2 reuse, output)
 
 
 @dataclass(frozen=True)
@@ -381,7 +393,22 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
     if padding < 1:
         raise ValueError(f"padding must be >= 1, got {padding}")
     plan = _plan(p, cfg, device, padding)
-    us, detail = _schedule(plan, p, cfg, device)
+    # Two paths through the same schedule: the tiles' compute (MMA issue, L2)
+    # and their loads (latency per tile, plus the launch's DRAM traffic at
+    # the chip's bandwidth, which the SMs share); the longer one sets the
+    # time, and a share of the shorter one's work is not hidden behind it.
+    us_c, detail = _schedule(plan, p, cfg, device)
+    waiting = replace(plan, segments=tuple(replace(s, mainloop=s.waits) for s in plan.segments))
+    us_w, _ = _schedule(waiting, p, cfg, device)
+    hbm_us = sum(s.tiles * s.hbm_bytes for s in plan.segments) / (device.hbm_bw * device.hbm_efficiency) * 1e6
+    us_m = us_w + hbm_us
+    busy = max(1, min(plan.free_workers, plan.tiles))
+    compute_work = sum(s.tiles * s.mainloop for s in plan.segments) / busy
+    memory_work = sum(s.tiles * s.waits for s in plan.segments) / busy + hbm_us
+    us = max(us_c, us_m) + device.overlap_loss * min(compute_work, memory_work)
+    if us_m > us_c:
+        detail["bound"] = "hbm" if hbm_us > us_w else "latency"
+    detail["hbm_us"] = round(hbm_us, 3)
     us += device.launch_us
     if cfg.split_k > 1:
         us += _reduction_us(p, cfg, device)
@@ -429,7 +456,8 @@ def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Pla
 def _merge(segments: list[_Segment]) -> list[_Segment]:
     out: list[_Segment] = []
     for s in segments:
-        if out and (out[-1].mainloop, out[-1].epilogue) == (s.mainloop, s.epilogue):
+        if out and (out[-1].mainloop, out[-1].epilogue, out[-1].waits, out[-1].hbm_bytes) == (
+                s.mainloop, s.epilogue, s.waits, s.hbm_bytes):
             out[-1] = replace(out[-1], tiles=out[-1].tiles + s.tiles)
         else:
             out.append(s)
@@ -452,6 +480,10 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     else:
         smem = (cfg.cta_tile_m + cfg.tile_n // cfg.cta_group) * TILE_K * e
     core_clk = max(mma_clk, smem / dev.smem_read_bytes_per_clk) + dev.kblock_overhead_clk
+    if cfg.arch == "sm90":
+        # One wgmma.m64nNk16 per 64 rows per 16 of depth, each with a fixed
+        # issue cost on top of its MMA clocks.
+        core_clk += cfg.cta_tile_m // 64 * (TILE_K // 16) * dev.wgmma_issue_clk
     t_core = core_clk / dev.clock_hz / dev.mma_efficiency * 1e6
 
     # Operand traffic: one copy per cluster tile thanks to multicast; only the
@@ -462,22 +494,28 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     t_l2 = l2_per_sm / min(sm_bw, dev.l2_bw / active_sms) * 1e6
     hbm_share = dev.hbm_bw * dev.hbm_efficiency / active_sms
     ratio = _hbm_ratio(p, cfg, dev, m, k, concurrent)
-    t_hbm = l2_per_sm * ratio / min(sm_bw, hbm_share) * 1e6
-    # Little's law: stages - 1 k-blocks in flight while one is consumed.
-    t_lat = dev.load_latency_us / (cfg.stages - 1)
-    terms = {"compute": t_core, "l2": t_l2, "hbm": t_hbm, "latency": t_lat}
+    # The compute path of a tile: MMA issue or the SM's share of L2.
+    terms = {"compute": t_core, "l2": t_l2}
     bound = max(terms, key=terms.get)
     mainloop = kblocks * terms[bound]
+    # The memory path (Little's law with a loaded latency): `stages - 1`
+    # k-blocks in flight give a k-block every latency / (stages - 1) when
+    # DRAM is idle; DRAM shared by every SM adds its queueing, the launch's
+    # bytes over its bandwidth (counted for the whole launch in `_predict`,
+    # so a partial last wave gets the bandwidth the idle SMs leave).
+    waits = kblocks * dev.load_latency_us / (cfg.stages - 1)
+    hbm_bytes = kblocks * (rows + cols) * TILE_K * e * ratio
 
     out_bytes = 4 if cfg.split_k > 1 else DTYPE_BYTES[p.dtype_out]
-    c_per_sm = min(cm, m) * min(cn, p.n) * out_bytes / cs
+    c_bytes = min(cm, m) * min(cn, p.n) * out_bytes
+    c_per_sm = c_bytes / cs
     epilogue = dev.epilogue_fixed_us + c_per_sm / min(sm_bw, hbm_share) * 1e6
     if cfg.arch == "sm90":
         epilogue += cfg.tile_n // epi_subtile_n(cfg) * EPI_SUBTILE_US
     # The producer warp issues a tile's last load stages - 1 k-blocks before
     # the MMA consumes it: a depth-1 claim made then is answered meanwhile.
-    lead = min(kblocks, cfg.stages - 1) * terms[bound]
-    return _Segment(count, mainloop, epilogue, lead, bound)
+    lead = min(kblocks, cfg.stages - 1) * max(terms[bound], dev.load_latency_us / (cfg.stages - 1))
+    return _Segment(count, mainloop, epilogue, lead, bound, waits, hbm_bytes + c_bytes)
 
 
 def _hbm_ratio(p, cfg, dev, m, k, concurrent) -> float:
