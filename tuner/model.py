@@ -132,7 +132,7 @@ H100 = DeviceModel(
     name="H100-model", arch="sm90", sms=132, flops_per_clk_sm=4096, clock_hz=1.83e9,
     hbm_bw=3.35e12, l2_bytes=50 * 2**20, l2_bw=12e12, smem_per_sm=228 * 1024,
     mma_efficiency=0.86, hbm_efficiency=0.90, kblock_overhead_clk=80,
-    max_clusters=((1, 132), (2, 66), (4, 30)),
+    wgmma_issue_clk=16.0, max_clusters=((1, 132), (2, 66), (4, 30)),
 )
 
 # B200 (HGX B200): 148 SMs, 2.25 PFLOP/s dense FP16/BF16, 8 TB/s HBM3e
@@ -396,16 +396,14 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
     # Two paths through the same schedule: the tiles' compute (MMA issue, L2)
     # and their loads (latency per tile, plus the launch's DRAM traffic at
     # the chip's bandwidth, which the SMs share); the longer one sets the
-    # time, and a share of the shorter one's work is not hidden behind it.
+    # time (each tile's cost already holds the share of the shorter one that
+    # the pipeline does not hide, `overlap_loss`).
     us_c, detail = _schedule(plan, p, cfg, device)
     waiting = replace(plan, segments=tuple(replace(s, mainloop=s.waits) for s in plan.segments))
     us_w, _ = _schedule(waiting, p, cfg, device)
     hbm_us = sum(s.tiles * s.hbm_bytes for s in plan.segments) / (device.hbm_bw * device.hbm_efficiency) * 1e6
     us_m = us_w + hbm_us
-    busy = max(1, min(plan.free_workers, plan.tiles))
-    compute_work = sum(s.tiles * s.mainloop for s in plan.segments) / busy
-    memory_work = sum(s.tiles * s.waits for s in plan.segments) / busy + hbm_us
-    us = max(us_c, us_m) + device.overlap_loss * min(compute_work, memory_work)
+    us = max(us_c, us_m)
     if us_m > us_c:
         detail["bound"] = "hbm" if hbm_us > us_w else "latency"
     detail["hbm_us"] = round(hbm_us, 3)
@@ -505,6 +503,12 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     # so a partial last wave gets the bandwidth the idle SMs leave).
     waits = kblocks * dev.load_latency_us / (cfg.stages - 1)
     hbm_bytes = kblocks * (rows + cols) * TILE_K * e * ratio
+    # A share of the shorter of a tile's compute and load time (its DRAM
+    # bytes at its share of the bandwidth) is not hidden behind the longer.
+    loads = waits + hbm_bytes / (cs * hbm_share) * 1e6
+    exposed = dev.overlap_loss * min(mainloop, loads)
+    mainloop += exposed
+    waits += exposed
 
     out_bytes = 4 if cfg.split_k > 1 else DTYPE_BYTES[p.dtype_out]
     c_bytes = min(cm, m) * min(cn, p.n) * out_bytes
