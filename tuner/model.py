@@ -2,15 +2,26 @@
 
 A prediction has three layers:
 
-1. Per work tile (one cluster tile): a roofline per 64-deep k-block, the
-   slowest of MMA issue (tile-shape dependent: shared-memory operand reads and
-   a fixed per-k-block synchronisation cost make small tiles less efficient),
-   L2 -> SM traffic (cluster multicast shares A along cluster N and B along
-   cluster M), HBM traffic (L2 reuse within a wave of concurrently running
-   tiles, set by raster order and swizzle) and load latency that too few
-   pipeline stages cannot hide. The epilogue (output store) is overlapped
-   with the next tile's mainloop to a degree that depends on the scheduler
-   and, on sm100, on the accumulator stages in TMEM.
+1. Per work tile (one cluster tile), two paths per 64-deep k-block. The
+   compute path is the slower of MMA issue (tile-shape dependent: shared-
+   memory operand reads, a fixed per-k-block synchronisation cost and, on
+   sm90, a fixed issue cost per wgmma.m64nNk16, so small and tall-narrow
+   tiles are less efficient) and L2 -> SM traffic (cluster multicast shares
+   A along cluster N and B along cluster M). The load path is Little's law
+   with a load-dependent latency: `stages - 1` k-blocks in flight cover the
+   unloaded latency, and DRAM queueing adds the launch's HBM bytes (L2 reuse
+   within a wave of concurrently running tiles, set by raster order and
+   swizzle) over the chip's bandwidth, counted once for the whole launch
+   because the SMs share it (so a partial last wave of a load-bound launch
+   runs at the bandwidth the idle SMs leave, not at a full wave's cost). The
+   two paths overlap imperfectly: a load-bound tile exposes a share of its
+   MMA time (`compute_exposed`), a compute-bound one a share of its loads
+   (`load_exposed`). Fitted to an H100 (`tuner calibrate`) this orders a
+   key's configs far better than one roofline max per k-block did, which
+   made every load-bound config of a decode key cost the same. The epilogue
+   (output store) is overlapped with the next tile's mainloop to a degree
+   that depends on the scheduler and, on sm100, on the accumulator stages in
+   TMEM.
 2. Assignment of tiles to workers (clusters), simulated over the workers:
    static persistent gives tile i to worker i mod W; dynamic (atomic counter)
    and CLC hand the next tile to whichever worker claims first; single-tile
@@ -63,7 +74,7 @@ from kernels.space import (
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
 
-MODEL_VERSION = "3"
+MODEL_VERSION = "4"
 
 
 @dataclass(frozen=True)
@@ -287,7 +298,10 @@ def device_model(arch: str, device: str | None = None) -> DeviceModel:
     if arch not in DEVICES:
         raise ValueError(f"no device model for arch {arch!r}; expected one of {tuple(DEVICES)}")
     entry = _calibrations(calibration_path()).get(device) if device else None
-    if entry is None or entry["arch"] != arch:
+    # Constants fitted to another version of the model mean something else
+    # in this one (the file's format is the same): the datasheet model until
+    # the device is calibrated again.
+    if entry is None or entry["arch"] != arch or entry.get("model_version") != MODEL_VERSION:
         return DEVICES[arch]
     return replace(DEVICES[arch], name=device, **entry["constants"])
 
