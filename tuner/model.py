@@ -99,7 +99,7 @@ class DeviceModel:
     # A fragment's shared-memory read, the async-group bookkeeping): a CTA
     # tile of M rows issues M / 64 * 4 of them per 64-deep k-block, so tall,
     # narrow tiles (256x112, 192x128) pay more per FLOP than 128x224.
-    wgmma_issue_clk: float = 40.0
+    wgmma_issue_clk: float = 0.0
     smem_read_bytes_per_clk: int = 128
     sm_load_bytes_per_clk: int = 128   # TMA load bandwidth one SM can pull
     load_latency_us: float = 0.6       # TMA load round trip, unloaded
@@ -111,9 +111,10 @@ class DeviceModel:
     compute_exposed: float = 0.5
     load_exposed: float = 0.1
     # sm90, extra clocks of a wgmma whose N is an odd multiple of 16 (176,
-    # 208, 240: N / 8 rows of the 128-byte-swizzled B tile not a multiple of
-    # 4). Measured on the H100 (such tiles run 5-25 % slower than their MMA
-    # clocks predict); the cause is not established.
+    # 208, 240: the B tile's 8-row swizzle atoms are not a multiple of 4).
+    # Measured on the H100 (such tiles ran 4-22 % slower than the next width
+    # that is a multiple of 32, whatever their wave fit); the cause is not
+    # established.
     wgmma_n16_clk: float = 0.0
     launch_us: float = 2.0             # kernel launch + drain, back to back
     cta_start_us: float = 1.0          # CTA launch, barrier init, descriptor prefetch, exit
@@ -234,7 +235,7 @@ class _Segment:
     epilogue: float     # us, the full epilogue of one tile
     lead: float         # us, how far the producer runs ahead of the MMA
     bound: str          # the compute path's bound: "compute" or "l2"
-    waits: float = 0.0  # us, one tile's unloaded load latency not covered by its stages
+    waits: float = 0.0  # us, one tile's load path before DRAM queueing (latency / stages in flight)
     hbm_bytes: float = 0.0  # DRAM bytes of one tile (operands after L2 reuse, output)
 
 
@@ -524,11 +525,14 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     terms = {"compute": t_core, "l2": t_l2}
     bound = max(terms, key=terms.get)
     mainloop = kblocks * terms[bound]
-    # The memory path (Little's law with a loaded latency): `stages - 1`
-    # k-blocks in flight give a k-block every latency / (stages - 1) when
-    # DRAM is idle; DRAM shared by every SM adds its queueing, the launch's
-    # bytes over its bandwidth (counted for the whole launch in `_predict`,
-    # so a partial last wave gets the bandwidth the idle SMs leave).
+    # The load path (Little's law, the latency growing with DRAM load):
+    # `stages - 1` k-blocks in flight give a k-block every latency /
+    # (stages - 1) when DRAM is idle; DRAM shared by every SM adds its
+    # queueing, the launch's bytes over its bandwidth (counted for the whole
+    # launch in `_predict`, so a partial last wave gets the bandwidth the
+    # idle SMs leave). Per k-block: latency / (stages - 1) + bytes * SMs
+    # loading / bandwidth, a sum, not a maximum: on the H100's decode keys
+    # the stages in flight change the time even where DRAM is the limit.
     waits = kblocks * dev.load_latency_us / (cfg.stages - 1)
     hbm_bytes = kblocks * (rows + cols) * TILE_K * e * ratio
     # A share of the shorter of a tile's compute and load time (its DRAM
