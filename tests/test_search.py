@@ -84,14 +84,18 @@ def _tiles_at(key, cfg) -> int:
     return -(-key.problem.m // cfg.tile_m) * -(-key.problem.n // cfg.tile_n)
 
 
-def test_first_picks_of_27b_o_at_512_fill_one_wave_with_a_new_width():
+def test_first_picks_of_27b_o_at_512_try_the_wave_filling_width():
     # Gemma 3 27B o: N = 5376. Multiples of 32 give 96 tiles (128x224: 27 %
-    # of 132 SMs idle) or 168 (128x128: 1.27 waves); 128x176 gives 4 x 31 = 124.
+    # of 132 SMs idle), 112 (128x192) or 168 (128x128: 1.27 waves); 128x176
+    # gives 4 x 31 = 124. The H100 measured this key at 35.1 us with 128x192
+    # and 42.9 us with 128x176 (an odd multiple of 16 columns costs more per
+    # wgmma, `wgmma_n16_clk`): 128x192 comes first, the wave-filling width
+    # right after it.
     key = Key("sm90", "dev", Problem(512, 5376, 4096))
     picks = model_picks(key)
     first = picks[0]
-    assert (first.tile_m, first.tile_n) == (128, 176)
-    assert 120 <= _tiles_at(key, first) <= 132
+    assert (first.tile_m, first.tile_n) == (128, 192)
+    assert any(c.tile_n % 32 and 120 <= _tiles_at(key, c) <= 132 for c in picks[:3])
     assert any(c.tile_n % 32 or c.tile_m == 192 for c in picks[:3])
 
 

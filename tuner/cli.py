@@ -519,6 +519,8 @@ def trace(
 
 
 def _print_calibration(cal) -> None:
+    from tuner.calibration import NOISE
+
     console.print(f"{cal.device} ({cal.arch}): fitted on {len(cal.train_families)} families, "
                   f"scored on {len(cal.heldout_families)} held out", highlight=False)
     table = _table("", ["held-out keys", "before", "after"], ("held-out keys",))
@@ -527,6 +529,10 @@ def _print_calibration(cal) -> None:
         ("keys (with >= 3 configs)", f"{before.keys}", f"{after.keys}"),
         ("median Spearman", f"{before.median_spearman:.3f}", f"{after.median_spearman:.3f}"),
         ("model's pick vs best", f"{before.mean_pick_slowdown:+.2%}", f"{after.mean_pick_slowdown:+.2%}"),
+        (f"keys with >= 3 levels {NOISE:.0%} apart", f"{before.distinct_keys}", f"{after.distinct_keys}"),
+        ("  median Spearman", f"{before.distinct_median_spearman:.3f}", f"{after.distinct_median_spearman:.3f}"),
+        ("  model's pick vs best", f"{before.distinct_mean_pick_slowdown:+.2%}",
+         f"{after.distinct_mean_pick_slowdown:+.2%}"),
         ("mean |time error|", f"{before.mean_abs_error:.1%}", f"{after.mean_abs_error:.1%}"),
         ("cuBLAS estimate, worst", *(f"{s.cublas_max_ratio:.2f}x" if s.cublas_max_ratio else "-"
                                      for s in (before, after))),

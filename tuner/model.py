@@ -2,18 +2,29 @@
 
 A prediction has three layers:
 
-1. Per work tile (one cluster tile): a roofline per 64-deep k-block, the
-   slowest of MMA issue (tile-shape dependent: shared-memory operand reads and
-   a fixed per-k-block synchronisation cost make small tiles less efficient),
-   L2 -> SM traffic (cluster multicast shares A along cluster N and B along
-   cluster M), HBM traffic (L2 reuse within a wave of concurrently running
-   tiles, set by raster order and swizzle) and load latency that too few
-   pipeline stages cannot hide. The epilogue (output store) is overlapped
-   with the next tile's mainloop to a degree that depends on the scheduler
-   and, on sm100, on the accumulator stages in TMEM; sm90 pingpong consumers
-   run one warpgroup's epilogue under the other's mainloop, so a worker
-   with several tiles pays max(mainloop, epilogue) per tile (their
-   epilogues take turns too), one with a single tile all of both.
+1. Per work tile (one cluster tile), two paths per 64-deep k-block. The
+   compute path is the slower of MMA issue (tile-shape dependent: shared-
+   memory operand reads, a fixed per-k-block synchronisation cost and, on
+   sm90, a fixed issue cost per wgmma.m64nNk16, so small and tall-narrow
+   tiles are less efficient) and L2 -> SM traffic (cluster multicast shares
+   A along cluster N and B along cluster M). The load path is Little's law
+   with a load-dependent latency: `stages - 1` k-blocks in flight cover the
+   unloaded latency, and DRAM queueing adds the launch's HBM bytes (L2 reuse
+   within a wave of concurrently running tiles, set by raster order and
+   swizzle) over the chip's bandwidth, counted once for the whole launch
+   because the SMs share it (so a partial last wave of a load-bound launch
+   runs at the bandwidth the idle SMs leave, not at a full wave's cost). The
+   two paths overlap imperfectly: a load-bound tile exposes a share of its
+   MMA time (`compute_exposed`), a compute-bound one a share of its loads
+   (`load_exposed`). Fitted to an H100 (`tuner calibrate`) this orders a
+   key's configs far better than one roofline max per k-block did, which
+   made every load-bound config of a decode key cost the same. The epilogue
+   (output store) is overlapped with the next tile's mainloop to a degree
+   that depends on the scheduler and, on sm100, on the accumulator stages in
+   TMEM; sm90 pingpong consumers run one warpgroup's epilogue under the
+   other's mainloop, so a worker with several tiles pays max(mainloop,
+   epilogue) per tile (their epilogues take turns too), one with a single
+   tile all of both.
 2. Assignment of tiles to workers (clusters), simulated over the workers:
    static persistent gives tile i to worker i mod W; dynamic (atomic counter)
    and CLC hand the next tile to whichever worker claims first; single-tile
@@ -66,7 +77,7 @@ from kernels.space import (
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
 
-MODEL_VERSION = "4"
+MODEL_VERSION = "5"
 
 
 @dataclass(frozen=True)
@@ -87,9 +98,27 @@ class DeviceModel:
     mma_efficiency: float
     hbm_efficiency: float      # achievable fraction of peak DRAM bandwidth
     kblock_overhead_clk: int   # per-k-block barrier / issue cost of the mainloop
+    # sm90: issue cost of one wgmma.m64nNk16 beyond its N / 2 MMA clocks (the
+    # A fragment's shared-memory read, the async-group bookkeeping): a CTA
+    # tile of M rows issues M / 64 * 4 of them per 64-deep k-block, so tall,
+    # narrow tiles (256x112, 192x128) pay more per FLOP than 128x224.
+    wgmma_issue_clk: float = 0.0
     smem_read_bytes_per_clk: int = 128
     sm_load_bytes_per_clk: int = 128   # TMA load bandwidth one SM can pull
-    load_latency_us: float = 0.6       # TMA load round trip under load
+    load_latency_us: float = 0.6       # TMA load round trip, unloaded
+    # Overlap of a tile's compute and loads (0: perfect). A load-bound
+    # mainloop exposes this share of its MMA time: a consumer holds a stage
+    # until its MMA is done, so compute adds to every stage's turnaround. A
+    # compute-bound one exposes this share of its load time (the loads run
+    # stages ahead, so little of it shows).
+    compute_exposed: float = 0.5
+    load_exposed: float = 0.1
+    # sm90, extra clocks of a wgmma whose N is an odd multiple of 16 (176,
+    # 208, 240: the B tile's 8-row swizzle atoms are not a multiple of 4).
+    # Measured on the H100 (such tiles ran 4-22 % slower than the next width
+    # that is a multiple of 32, whatever their wave fit); the cause is not
+    # established.
+    wgmma_n16_clk: float = 0.0
     launch_us: float = 2.0             # kernel launch + drain, back to back
     cta_start_us: float = 1.0          # CTA launch, barrier init, descriptor prefetch, exit
     epilogue_fixed_us: float = 0.5     # accumulators -> smem -> TMA store issue
@@ -127,7 +156,7 @@ H100 = DeviceModel(
     name="H100-model", arch="sm90", sms=132, flops_per_clk_sm=4096, clock_hz=1.83e9,
     hbm_bw=3.35e12, l2_bytes=50 * 2**20, l2_bw=12e12, smem_per_sm=228 * 1024,
     mma_efficiency=0.86, hbm_efficiency=0.90, kblock_overhead_clk=80,
-    max_clusters=((1, 132), (2, 66), (4, 30)),
+    wgmma_issue_clk=16.0, wgmma_n16_clk=16.0, max_clusters=((1, 132), (2, 66), (4, 30)),
 )
 
 # B200 (HGX B200): 148 SMs, 2.25 PFLOP/s dense FP16/BF16, 8 TB/s HBM3e
@@ -137,11 +166,13 @@ H100 = DeviceModel(
 # "Nvidia's B200", measures 126 MB). Clock implied by 8192 dense
 # FLOP/clk/SM: 2.25e15 / (148 * 8192) = 1.86 GHz. L2 bandwidth: estimate.
 # tcgen05 is issued by one thread and runs asynchronously, so the per-k-block
-# overhead is smaller than WGMMA's.
+# overhead is smaller than WGMMA's, and less of the MMA time enters a load-bound
+# stage's turnaround (an estimate: no B200 has been calibrated).
 B200 = DeviceModel(
     name="B200-model", arch="sm100", sms=148, flops_per_clk_sm=8192, clock_hz=1.856e9,
     hbm_bw=8.0e12, l2_bytes=int(126.5 * 2**20), l2_bw=20e12, smem_per_sm=228 * 1024,
-    mma_efficiency=0.75, hbm_efficiency=0.88, kblock_overhead_clk=32,
+    mma_efficiency=0.75, hbm_efficiency=0.88, kblock_overhead_clk=32, wgmma_issue_clk=0.0,
+    compute_exposed=0.2,
 )
 
 DEVICES = {"sm90": H100, "sm100": B200}
@@ -163,6 +194,10 @@ CALIBRATION_BOUNDS = {
     "l2_bw": (3e12, 30e12),
     "sm_load_bytes_per_clk": (32.0, 256.0),
     "load_latency_us": (0.2, 3.0),
+    "wgmma_issue_clk": (1.0, 120.0),
+    "compute_exposed": (0.01, 1.0),
+    "load_exposed": (0.01, 1.0),
+    "wgmma_n16_clk": (1.0, 200.0),
     "launch_us": (0.5, 10.0),
     "cta_start_us": (0.1, 5.0),
     "epilogue_fixed_us": (0.05, 5.0),
@@ -199,10 +234,12 @@ class _Segment:
     """A run of consecutive work tiles with the same cost."""
 
     tiles: int
-    mainloop: float     # us, MMA mainloop of one tile
+    mainloop: float     # us, mainloop of one tile on its compute path (MMA issue, L2 loads)
     epilogue: float     # us, the full epilogue of one tile
     lead: float         # us, how far the producer runs ahead of the MMA
-    bound: str
+    bound: str          # the compute path's bound: "compute" or "l2"
+    waits: float = 0.0  # us, one tile's load path before DRAM queueing (latency / stages in flight)
+    hbm_bytes: float = 0.0  # DRAM bytes of one tile (operands after L2 reuse, output)
 
 
 @dataclass(frozen=True)
@@ -265,7 +302,10 @@ def device_model(arch: str, device: str | None = None) -> DeviceModel:
     if arch not in DEVICES:
         raise ValueError(f"no device model for arch {arch!r}; expected one of {tuple(DEVICES)}")
     entry = _calibrations(calibration_path()).get(device) if device else None
-    if entry is None or entry["arch"] != arch:
+    # Constants fitted to another version of the model mean something else
+    # in this one (the file's format is the same): the datasheet model until
+    # the device is calibrated again.
+    if entry is None or entry["arch"] != arch or entry.get("model_version") != MODEL_VERSION:
         return DEVICES[arch]
     return replace(DEVICES[arch], name=device, **entry["constants"])
 
@@ -384,7 +424,20 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
     if padding < 1:
         raise ValueError(f"padding must be >= 1, got {padding}")
     plan = _plan(p, cfg, device, padding)
-    us, detail = _schedule(plan, p, cfg, device)
+    # Two paths through the same schedule: the tiles' compute (MMA issue, L2)
+    # and their loads (latency per tile, plus the launch's DRAM traffic at
+    # the chip's bandwidth, which the SMs share); the longer one sets the
+    # time (each tile's cost already holds the share of the shorter one that
+    # the pipeline does not hide: `compute_exposed`, `load_exposed`).
+    us_c, detail = _schedule(plan, p, cfg, device)
+    waiting = replace(plan, segments=tuple(replace(s, mainloop=s.waits) for s in plan.segments))
+    us_w, _ = _schedule(waiting, p, cfg, device)
+    hbm_us = sum(s.tiles * s.hbm_bytes for s in plan.segments) / (device.hbm_bw * device.hbm_efficiency) * 1e6
+    us_m = us_w + hbm_us
+    us = max(us_c, us_m)
+    if us_m > us_c:
+        detail["bound"] = "hbm" if hbm_us > us_w else "latency"
+    detail["hbm_us"] = round(hbm_us, 3)
     us += device.launch_us
     if cfg.split_k > 1:
         us += _reduction_us(p, cfg, device)
@@ -432,7 +485,8 @@ def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Pla
 def _merge(segments: list[_Segment]) -> list[_Segment]:
     out: list[_Segment] = []
     for s in segments:
-        if out and (out[-1].mainloop, out[-1].epilogue) == (s.mainloop, s.epilogue):
+        if out and (out[-1].mainloop, out[-1].epilogue, out[-1].waits, out[-1].hbm_bytes) == (
+                s.mainloop, s.epilogue, s.waits, s.hbm_bytes):
             out[-1] = replace(out[-1], tiles=out[-1].tiles + s.tiles)
         else:
             out.append(s)
@@ -455,6 +509,11 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     else:
         smem = (cfg.cta_tile_m + cfg.tile_n // cfg.cta_group) * TILE_K * e
     core_clk = max(mma_clk, smem / dev.smem_read_bytes_per_clk) + dev.kblock_overhead_clk
+    if cfg.arch == "sm90":
+        # One wgmma.m64nNk16 per 64 rows per 16 of depth, each with a fixed
+        # issue cost on top of its MMA clocks.
+        per_wgmma = dev.wgmma_issue_clk + (dev.wgmma_n16_clk if cfg.tile_n % 32 else 0.0)
+        core_clk += cfg.cta_tile_m // 64 * (TILE_K // 16) * per_wgmma
     t_core = core_clk / dev.clock_hz / dev.mma_efficiency * 1e6
 
     # Operand traffic: one copy per cluster tile thanks to multicast; only the
@@ -465,22 +524,37 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     t_l2 = l2_per_sm / min(sm_bw, dev.l2_bw / active_sms) * 1e6
     hbm_share = dev.hbm_bw * dev.hbm_efficiency / active_sms
     ratio = _hbm_ratio(p, cfg, dev, m, k, concurrent)
-    t_hbm = l2_per_sm * ratio / min(sm_bw, hbm_share) * 1e6
-    # Little's law: stages - 1 k-blocks in flight while one is consumed.
-    t_lat = dev.load_latency_us / (cfg.stages - 1)
-    terms = {"compute": t_core, "l2": t_l2, "hbm": t_hbm, "latency": t_lat}
+    # The compute path of a tile: MMA issue or the SM's share of L2.
+    terms = {"compute": t_core, "l2": t_l2}
     bound = max(terms, key=terms.get)
     mainloop = kblocks * terms[bound]
+    # The load path (Little's law, the latency growing with DRAM load):
+    # `stages - 1` k-blocks in flight give a k-block every latency /
+    # (stages - 1) when DRAM is idle; DRAM shared by every SM adds its
+    # queueing, the launch's bytes over its bandwidth (counted for the whole
+    # launch in `_predict`, so a partial last wave gets the bandwidth the
+    # idle SMs leave). Per k-block: latency / (stages - 1) + bytes * SMs
+    # loading / bandwidth, a sum, not a maximum: on the H100's decode keys
+    # the stages in flight change the time even where DRAM is the limit.
+    waits = kblocks * dev.load_latency_us / (cfg.stages - 1)
+    hbm_bytes = kblocks * (rows + cols) * TILE_K * e * ratio
+    # A share of the shorter of a tile's compute and load time (its DRAM
+    # bytes at its share of the bandwidth) is not hidden behind the longer.
+    loads = waits + hbm_bytes / (cs * hbm_share) * 1e6
+    exposed = dev.compute_exposed * mainloop if loads > mainloop else dev.load_exposed * loads
+    mainloop += exposed
+    waits += exposed
 
     out_bytes = 4 if cfg.split_k > 1 else DTYPE_BYTES[p.dtype_out]
-    c_per_sm = min(cm, m) * min(cn, p.n) * out_bytes / cs
+    c_bytes = min(cm, m) * min(cn, p.n) * out_bytes
+    c_per_sm = c_bytes / cs
     epilogue = dev.epilogue_fixed_us + c_per_sm / min(sm_bw, hbm_share) * 1e6
     if cfg.arch == "sm90":
         epilogue += cfg.tile_n // epi_subtile_n(cfg) * EPI_SUBTILE_US
     # The producer warp issues a tile's last load stages - 1 k-blocks before
     # the MMA consumes it: a depth-1 claim made then is answered meanwhile.
-    lead = min(kblocks, cfg.stages - 1) * terms[bound]
-    return _Segment(count, mainloop, epilogue, lead, bound)
+    lead = min(kblocks, cfg.stages - 1) * max(terms[bound], dev.load_latency_us / (cfg.stages - 1))
+    return _Segment(count, mainloop, epilogue, lead, bound, waits, hbm_bytes + c_bytes)
 
 
 def _hbm_ratio(p, cfg, dev, m, k, concurrent) -> float:
