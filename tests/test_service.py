@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from db.store import Store
+from tuner.lookup import decide
 
 TOKEN = "test-token"
 MODEL_DEVICE = "H100-model"
@@ -89,21 +90,22 @@ def _best(client, **params):
     return client.get("/v1/best", params={"n": 2560, "k": 2048, **params})
 
 
-def test_tuned_key_answers_with_its_stored_winner(client, tuned_db):
+def test_tuned_key_answers_with_the_rules_choice_from_the_store(client, tuned_db):
     r = _best(client, m=2048)
     assert r.status_code == 200, r.text
     body = r.json()
-    stored = Store(str(tuned_db), writer=False).winner({
-        "arch": "sm90", "device": MODEL_DEVICE, "dtype_in": "bf16", "dtype_out": "bf16", "layout": "tn",
-        "m": 2048, "n": 2560, "k": 2048, "groups": 1, "group_k": [], "carveout": 0,
-    })
+    store = Store(str(tuned_db), writer=False)
+    family = dict(arch="sm90", device=MODEL_DEVICE, n=2560, k=2048)
+    # The rule `gemm` and `explain` share, over what the tuning stored: the map
+    # interval holding M (a kernel only where it beat cuBLAS by the margin).
+    want = decide(2048, store.ranges(**family), store.winners(**family))
+    store.close()
     assert body["key"]["device"] == MODEL_DEVICE
-    assert (body["exact"], body["tuned_m"], body["stale"]) == (True, 2048, False)
-    assert body["config_name"] == stored.config_name
-    assert body["config"] == stored.config
-    assert body["ms"] == pytest.approx(stored.ms)
-    assert body["speedup"] == pytest.approx(stored.baseline_ms / stored.ms)
-    assert body["versions"] == body["current_versions"] == stored.versions
+    assert (body["exact"], body["tuned_m"], body["stale"], body["how"]) == (True, 2048, False, want.how)
+    assert (body["config_name"], body["config"]) == (want.config_name, want.config)
+    assert body["ms"] == pytest.approx(want.ms)
+    assert body["speedup"] == pytest.approx(want.speedup)
+    assert body["versions"] == body["current_versions"] == want.versions
     assert client.get("/healthz").json() == {"status": "ok"}
 
 
