@@ -155,8 +155,9 @@ def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: 
     M inside the layer's intervals for that mode, all linear calls); `spans`
     holds the patched layers' (eager, compiled) intervals; `m_head` None: the
     logits' input rows are strided (F.linear)."""
+    ms = {name: m_head if name.endswith("lm_head") else m_layers for name in spans}
+
     def hits(mode: int) -> int:
-        ms = {name: m_head if name.endswith("lm_head") else m_layers for name in spans}
         return sum(ms[name] is not None and any(lo <= ms[name] <= hi for lo, hi in s[mode])
                    for name, s in spans.items())
     return {"eager": (hits(0), linears), "compiled": (hits(1), linears)}
