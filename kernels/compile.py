@@ -101,8 +101,8 @@ class Variant:
 
     @property
     def scratch(self) -> bool:
-        """Split-K reduces in the kernel through a per-problem scratch buffer."""
-        return self.cfg.split_k > 1 and self.cfg.arch in _SPLIT_K_IN_KERNEL
+        """Split-K or stream-K reduces in the kernel through a per-problem scratch buffer."""
+        return self.cfg.reduces_partials and self.cfg.arch in _SPLIT_K_IN_KERNEL
 
     def key(self) -> str:
         key = f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"
@@ -427,10 +427,10 @@ class _SplitKScratch:
         self.buf = None
         self._zero_end = 0
 
-    def for_problem(self, device_index: int, cfg: GemmConfig, m: int, n: int):
+    def for_problem(self, device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int):
         import torch
 
-        words = split_k_scratch_words(cfg, m, n)
+        words = split_k_scratch_words(cfg, m, n, clusters)
         if self.buf is None or self.buf.numel() < words:
             self.buf = torch.zeros(words, dtype=torch.int32, device=f"cuda:{device_index}")
             self._zero_end = words
@@ -445,11 +445,11 @@ class _SplitKScratch:
 _split_k_scratch: dict[tuple[int, int], _SplitKScratch] = {}
 
 
-def _scratch_buf(device_index: int, cfg: GemmConfig, m: int, n: int):
+def _scratch_buf(device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int):
     import torch
 
     key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
-    return _split_k_scratch.setdefault(key, _SplitKScratch()).for_problem(device_index, cfg, m, n)
+    return _split_k_scratch.setdefault(key, _SplitKScratch()).for_problem(device_index, cfg, m, n, clusters)
 
 
 class _Runner:
@@ -468,7 +468,7 @@ class _Runner:
         if len(records) != self.variant.trace:
             raise TypeError("a traced kernel takes a record buffer after out; an untraced one none")
         if self._scratch:
-            scratch = _scratch_buf(self._device, self.variant.cfg, out.shape[0], out.shape[1])
+            scratch = _scratch_buf(self._device, self.variant.cfg, out.shape[0], out.shape[1], self._max_clusters)
             self._fn(a, b, out, scratch, self._max_clusters, *records)
             return
         buf = _sched_buf(self._device)

@@ -11,6 +11,13 @@ indices a cluster visits:
   that both warpgroups have a tile: the grid is half as large.
 - ``static_persistent``: grid = the clusters that fit on the device at once;
   cluster c visits c, c + grid, c + 2 grid, ...
+- ``stream_k`` (Osama et al., PPoPP 2023; CUTLASS's stream-K scheduler): a
+  persistent grid whose full waves of tiles are dealt as in
+  ``static_persistent``, while the tiles that would make a partial wave are
+  cut into units of equal k-block counts, one unit per cluster, so that every
+  cluster does the same number of k-blocks. A unit may end inside one tile
+  and begin inside the next; the clusters that share a tile reduce their
+  partial accumulators in the kernel (`StreamKScheduler`).
 - ``dynamic_persistent``: cluster c starts at c; afterwards the scheduler warp
   of its leader CTA claims the next index with a global ``atomic_add`` on a
   claim counter and publishes it to every warp role of every CTA of the
@@ -59,7 +66,11 @@ from cutlass import Boolean, Int32, Int64, const_expr
 
 from kernels.trace_device import now as _trace_now
 
-KINDS = ("single_tile", "static_persistent", "dynamic_persistent")
+KINDS = ("single_tile", "static_persistent", "dynamic_persistent", "stream_k")
+
+# Fewest k-blocks a stream-K unit is given: below it the partials' round trip
+# through global memory costs more than the k-blocks it spreads.
+SK_MIN_K_TILES = 8
 
 # Bytes of one published work index.
 _SLOT_BYTES = 4
@@ -100,15 +111,24 @@ class SchedulerSpec:
     def dynamic(self) -> bool:
         return self.kind == "dynamic_persistent"
 
-    def grid_shape(self, grid: "TileGrid", max_clusters: Int32) -> tuple:
+    @property
+    def stream_k(self) -> bool:
+        return self.kind == "stream_k"
+
+    def grid_shape(self, grid: "TileGrid", max_clusters: Int32, k_tiles: Int32 | None = None) -> tuple:
         """Launch grid: cluster_m * clusters along x, cluster_n along y.
 
         Clusters line up along x so that a tile count far above 65535 (the
-        limit of y and z) still launches.
+        limit of y and z) still launches. Stream-K (which needs `k_tiles`,
+        the k-blocks of one tile) fills the device even when there are fewer
+        tiles than clusters, as long as each unit keeps `SK_MIN_K_TILES`.
         """
         clusters = grid.count
         if const_expr(self.kind == "single_tile"):
             clusters = _ceil_div(clusters, self.turns)
+        elif const_expr(self.stream_k):
+            units = cutlass.max(clusters, clusters * k_tiles // SK_MIN_K_TILES)
+            clusters = cutlass.min(units, max_clusters)
         else:
             clusters = cutlass.min(clusters, max_clusters)
         return (self.cluster_mn[0] * clusters, self.cluster_mn[1], 1)
@@ -299,8 +319,13 @@ class TileScheduler:
         )
 
     @staticmethod
-    def create(spec: SchedulerSpec, grid: TileGrid, ring: ClaimRing | None = None) -> "TileScheduler":
-        """The schedule as seen from the calling CTA (grid laid out by `SchedulerSpec.grid_shape`)."""
+    def create(
+        spec: SchedulerSpec, grid: TileGrid, ring: ClaimRing | None = None, k_tiles: Int32 | None = None
+    ) -> "TileScheduler":
+        """The schedule as seen from the calling CTA (grid laid out by
+        `SchedulerSpec.grid_shape`); stream-K also needs a tile's k-blocks."""
+        if const_expr(spec.stream_k):
+            return StreamKScheduler.create(spec, grid, k_tiles)
         cm, cn = spec.cluster_mn
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
@@ -418,3 +443,143 @@ class TileScheduler:
                         counter[0] = Int32(0)
                         counter[1] = Int32(0)
 
+
+
+class StreamKWork(WorkTile):
+    """A `WorkTile` that covers k-blocks [k_start, k_start + k_tiles) of its
+    tile; `unit_tile` is the tile's index among the stream-K tiles, -1 for a
+    whole tile dealt data-parallel."""
+
+    def __init__(self, tile: tuple, is_valid, k_start, k_tiles, unit_tile):
+        super().__init__(tile, is_valid)
+        self.k_start = Int32(k_start)
+        self.k_tiles = Int32(k_tiles)
+        self.unit_tile = Int32(unit_tile)
+
+    def __extract_mlir_values__(self) -> list:
+        return super().__extract_mlir_values__() + cutlass.extract_mlir_values(
+            [self.k_start, self.k_tiles, self.unit_tile]
+        )
+
+    def __new_from_mlir_values__(self, values: list) -> "StreamKWork":
+        n = len(super().__extract_mlir_values__())
+        base = WorkTile.__new_from_mlir_values__(self, values[:n])
+        k_start, k_tiles, unit_tile = cutlass.new_from_mlir_values(
+            [self.k_start, self.k_tiles, self.unit_tile], values[n:]
+        )
+        return StreamKWork(base.tile, base.is_valid, k_start, k_tiles, unit_tile)
+
+
+class StreamKScheduler(TileScheduler):
+    """Stream-K over a persistent grid of P clusters (T tiles of KI k-blocks).
+
+    The first ``sk`` work indices are the stream-K tiles: their sk * KI
+    k-blocks are split as evenly as integers allow, cluster c taking the
+    range [start(c), start(c + 1)). When T is a whole number of waves sk is 0;
+    with fewer tiles than clusters every tile is stream-K; otherwise sk is
+    the partial wave's tiles, plus one full wave when the partial wave alone
+    would leave units under `SK_MIN_K_TILES` (CUTLASS's "DP + SK" split). A
+    cluster first walks its range, one unit per tile it touches, then its
+    data-parallel tiles sk + c, sk + c + P, ... Only a range's first and
+    last units can be part of a tile, so each cluster owns two partial slots
+    (its first unit's and its last's) and a tile's partials sit in the slots
+    of consecutive clusters: `contributors` and `slot` find them.
+    """
+
+    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, sk, base, extra, it, end, idx):
+        super().__init__(spec, grid, num_clusters, rank_mn, idx, None, None)
+        self.cluster = cluster
+        self.k_tiles = k_tiles
+        self.sk = sk
+        self.base = base
+        self.extra = extra
+        self._it = it
+        self._end = end
+
+    def __extract_mlir_values__(self) -> list:
+        return cutlass.extract_mlir_values([self._idx, self._it])
+
+    def __new_from_mlir_values__(self, values: list) -> "StreamKScheduler":
+        idx, it = cutlass.new_from_mlir_values([self._idx, self._it], values)
+        return StreamKScheduler(
+            self.spec, self.grid, self.num_clusters, self.rank_mn, self.cluster, self.k_tiles, self.sk,
+            self.base, self.extra, it, self._end, idx,
+        )
+
+    @staticmethod
+    def create(spec: SchedulerSpec, grid: TileGrid, k_tiles: Int32) -> "StreamKScheduler":
+        cm, _ = spec.cluster_mn
+        bidx, bidy, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        cluster = Int32(bidx) // cm
+        clusters = Int32(gdimx) // cm
+        rank_mn = (Int32(bidx) - cluster * cm, Int32(bidy))
+        k_tiles = Int32(k_tiles)
+        total = grid.count
+        waves = total // clusters
+        rest = total - waves * clusters
+        # A partial wave too small for units of SK_MIN_K_TILES takes a full wave along.
+        short = rest * k_tiles < clusters * SK_MIN_K_TILES
+        with_wave = Int32(cutlass.select_(short, rest + clusters, rest))
+        sk = Int32(cutlass.select_(waves == 0, total, cutlass.select_(rest == 0, 0, with_wave)))
+        iters = sk * k_tiles
+        base = iters // clusters
+        extra = iters - base * clusters
+        sched = StreamKScheduler(
+            spec, grid, clusters, rank_mn, cluster, k_tiles, sk, base, extra, Int32(0), Int32(0), sk + cluster
+        )
+        sched._it = sched.unit_start(cluster)
+        sched._end = sched.unit_start(cluster + 1)
+        return sched
+
+    def unit_start(self, cluster: Int32) -> Int32:
+        """First stream-K k-block of `cluster`'s range (the end of the previous one's)."""
+        return cluster * self.base + cutlass.min(cluster, self.extra)
+
+    def owner(self, it: Int32) -> Int32:
+        """The cluster whose range holds stream-K k-block `it`."""
+        wide = self.extra * (self.base + 1)
+        return Int32(cutlass.select_(
+            it < wide, it // (self.base + 1), self.extra + (it - wide) // cutlass.max(self.base, 1)
+        ))
+
+    def contributors(self, unit_tile: Int32) -> tuple[Int32, Int32]:
+        """(first, last) cluster whose units cover stream-K tile `unit_tile`."""
+        first = unit_tile * self.k_tiles
+        return self.owner(first), self.owner(first + self.k_tiles - 1)
+
+    def slot(self, cluster: Int32, unit_tile: Int32) -> Int32:
+        """Partial slot of `cluster`'s unit in stream-K tile `unit_tile`, in
+        cluster tiles: its first unit's, or its last's when its range began
+        in an earlier tile."""
+        later = self.unit_start(cluster) < unit_tile * self.k_tiles
+        return 2 * cluster + Int32(cutlass.select_(later, 1, 0))
+
+    def _work(self) -> StreamKWork:
+        in_sk = self._it < self._end
+        unit_tile = self._it // self.k_tiles
+        k_start = self._it - unit_tile * self.k_tiles
+        unit_end = cutlass.min(self._end, (unit_tile + 1) * self.k_tiles)
+        idx = Int32(cutlass.select_(in_sk, unit_tile, self._idx))
+        cl_m, cl_n, l = decode_tile(idx, self.grid, self.spec.swizzle, self.spec.raster_m)
+        cm, cn = self.spec.cluster_mn
+        tile = (
+            cute.arch.make_warp_uniform(cl_m * cm + self.rank_mn[0]),
+            cute.arch.make_warp_uniform(cl_n * cn + self.rank_mn[1]),
+            cute.arch.make_warp_uniform(l),
+        )
+        return StreamKWork(
+            tile,
+            idx < self.grid.count,
+            cute.arch.make_warp_uniform(cutlass.select_(in_sk, k_start, 0)),
+            cute.arch.make_warp_uniform(cutlass.select_(in_sk, unit_end - self._it, self.k_tiles)),
+            cute.arch.make_warp_uniform(cutlass.select_(in_sk, unit_tile, -1)),
+        )
+
+    def advance(self) -> StreamKWork:
+        """The next unit of this cluster's range, then its next data-parallel tile."""
+        in_sk = self._it < self._end
+        unit_end = cutlass.min(self._end, (self._it // self.k_tiles + 1) * self.k_tiles)
+        self._it = Int32(cutlass.select_(in_sk, unit_end, self._it))
+        self._idx = Int32(cutlass.select_(in_sk, self._idx, self._idx + self.num_clusters))
+        return self._work()

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Iterator
 
 ARCHS = ("sm90", "sm100")
-SCHEDULERS = ("single_tile", "static_persistent", "dynamic_persistent", "clc")
+SCHEDULERS = ("single_tile", "static_persistent", "dynamic_persistent", "stream_k", "clc")
 RASTERS = ("m", "n")
 # How the consumer warpgroups of an sm90 CTA share work: "cooperative" splits
 # each tile between them; "pingpong" gives each of two warpgroups its own
@@ -73,9 +73,11 @@ TMEM_COLUMNS = 512
 SM90_REGISTERS = 65536
 SM90_NON_ACC_REGS = 32
 SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
-# In-kernel split-K (sm90) works in an int32 scratch buffer: the dynamic
-# scheduler's two counters, one arrival semaphore per CTA tile, then, from a
-# 128-byte boundary, one fp32 partial tile per (CTA tile, K slice).
+# In-kernel split-K and stream-K (sm90) work in an int32 scratch buffer: the
+# dynamic scheduler's two counters, one arrival semaphore per CTA tile, then,
+# from a 128-byte boundary, the fp32 partial tiles: one per (CTA tile, K
+# slice) for split-K, two per CTA of the persistent grid for stream-K (a
+# cluster's range parks at most its first and its last unit).
 SPLIT_K_COUNTERS = 2
 _SPLIT_K_PARTIALS_ALIGN = 32
 # Largest cluster: 8 CTAs is portable, 16 needs the non-portable attribute.
@@ -83,7 +85,7 @@ MAX_CLUSTER = {"sm90": 4, "sm100": 16}
 
 _KNOBS = {
     "sm90": {
-        "scheduler": SCHEDULERS[:3],
+        "scheduler": SCHEDULERS[:4],
         # tile_m 192 is three 64-row consumer warpgroups. tile_n: WGMMA takes
         # any multiple of 8 up to 256, but the TMA load of a K-major B tile
         # of an odd number of 8-row swizzle atoms (72, 136, 152, 168, ...)
@@ -104,7 +106,7 @@ _KNOBS = {
         "consumer": CONSUMERS,
     },
     "sm100": {
-        "scheduler": SCHEDULERS,
+        "scheduler": ("single_tile", "static_persistent", "dynamic_persistent", "clc"),
         "tile_m": (64, 128, 256),
         "tile_n": (32, 64, 96, 128, 160, 192, 224, 256),
         "cluster_m": (1, 2, 4),
@@ -175,6 +177,15 @@ class GemmConfig:
     @property
     def dynamic(self) -> bool:
         return self.scheduler in ("dynamic_persistent", "clc")
+
+    @property
+    def stream_k(self) -> bool:
+        return self.scheduler == "stream_k"
+
+    @property
+    def reduces_partials(self) -> bool:
+        """Whether CTAs share tiles and reduce fp32 partials (split-K, stream-K)."""
+        return self.split_k > 1 or self.stream_k
 
     @property
     def cta_tile_m(self) -> int:
@@ -324,10 +335,12 @@ def split_k_tiles(cfg: GemmConfig, m: int, n: int) -> int:
     return tiles_m * tiles_n
 
 
-def split_k_scratch_words(cfg: GemmConfig, m: int, n: int) -> int:
-    """Int32 words of the in-kernel split-K scratch for an M x N output."""
+def split_k_scratch_words(cfg: GemmConfig, m: int, n: int, clusters: int = 0) -> int:
+    """Int32 words of the in-kernel split-K or stream-K scratch for an M x N
+    output (stream-K: on a device that runs `clusters` clusters at once)."""
     tiles = split_k_tiles(cfg, m, n)
-    return split_k_partials_offset(tiles) + tiles * cfg.split_k * cfg.tile_m * cfg.tile_n
+    partials = 2 * clusters * cfg.cluster_size if cfg.stream_k else tiles * cfg.split_k
+    return split_k_partials_offset(tiles) + partials * cfg.tile_m * cfg.tile_n
 
 
 _INT32_MAX = 2**31 - 1
@@ -363,12 +376,16 @@ def validate(cfg: GemmConfig) -> None:
         raise InvalidConfig("tail_cancel applies to the clc scheduler only")
     if cfg.swizzle > 1 and cfg.scheduler == "single_tile":
         raise InvalidConfig("swizzle groups tiles of a persistent walk; single_tile has none")
-    if cfg.split_k > 1 and cfg.tile_m > 128:
-        raise InvalidConfig("split-K is for small-M keys: tile_m must be 64 or 128")
-    # The sm90 split-K fixup beside an epilogue of 16-column sub-tiles spills
-    # (128x240, layout nn: 24 bytes of stack); split-K keeps 32-column ones.
-    if cfg.arch == "sm90" and cfg.split_k > 1 and cfg.tile_n % 32:
-        raise InvalidConfig(f"split-K takes a tile_n that is a multiple of 32 on sm90, not {cfg.tile_n}")
+    if cfg.stream_k and cfg.split_k > 1:
+        raise InvalidConfig("stream-K splits K itself: split_k must be 1")
+    # Both reduce partial tiles through the same fixup (sm90: in registers).
+    what = "stream-K" if cfg.stream_k else "split-K"
+    if cfg.reduces_partials and cfg.tile_m > 128:
+        raise InvalidConfig(f"{what} reduces tiles of 64 or 128 rows, not {cfg.tile_m}")
+    # The sm90 fixup beside an epilogue of 16-column sub-tiles spills
+    # (128x240, layout nn: 24 bytes of stack); it keeps 32-column ones.
+    if cfg.arch == "sm90" and cfg.reduces_partials and cfg.tile_n % 32:
+        raise InvalidConfig(f"{what} takes a tile_n that is a multiple of 32 on sm90, not {cfg.tile_n}")
 
     if cfg.cluster_size > MAX_CLUSTER[cfg.arch]:
         raise InvalidConfig(
@@ -380,8 +397,8 @@ def validate(cfg: GemmConfig) -> None:
             raise InvalidConfig(f"a pingpong tile is one warpgroup's: tile_m 64 or 128, not {cfg.tile_m}")
         # Split-K is for keys with few tiles, where a CTA rarely has a second
         # tile to overlap; its fixup is built for one tile per CTA at a time.
-        if cfg.pingpong and cfg.split_k > 1:
-            raise InvalidConfig("pingpong consumers do not split K")
+        if cfg.pingpong and cfg.reduces_partials:
+            raise InvalidConfig("pingpong consumers do not split K (split-K, stream-K)")
         acc_per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.tile_warpgroups)
         share = sm90_launch_registers(cfg)
         most = share - SM90_NON_ACC_REGS
@@ -431,6 +448,8 @@ def check_problem(
     check_operands(m, n, k, groups, dtype_in, dtype_out, layout)
     if cfg.pingpong and groups > 1:
         raise InvalidConfig("pingpong consumers are not built for grouped GEMM")
+    if cfg.stream_k and groups > 1:
+        raise InvalidConfig("stream-K is not built for grouped GEMM")
     if cfg.split_k > 1:
         if groups > 1:
             raise InvalidConfig("split-K is not combined with grouped GEMM")

@@ -207,6 +207,7 @@ class Sm90GemmKernel:
         a3, b3, c3 = self._views(a, b, c)
         tma_a, ta, tma_b, tb, tma_c, tc = self._tma_atoms(a3, b3, c3)
         grid = TileGrid.of(self._work_shape(c3), self.tile_mn, self.cluster_mn)
+        k_tiles = (a3.shape[1] + TILE_K - 1) // TILE_K
 
         @cute.struct
         class SharedStorage:
@@ -224,7 +225,7 @@ class Sm90GemmKernel:
             tma_a, ta, tma_b, tb, tma_c, tc, self.tiled_mma, self.a_smem, self.b_smem, self.c_smem, sched_buf,
             self._trace_buf,
         ).launch(
-            grid=self.sched.grid_shape(grid, max_clusters),
+            grid=self.sched.grid_shape(grid, max_clusters, k_tiles),
             block=[self.threads, 1, 1],
             cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1,
@@ -299,19 +300,20 @@ class Sm90GemmKernel:
         if group_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == _LOAD_WARP:
-                sched = TileScheduler.create(self.sched, grid, ring)
+                sched = TileScheduler.create(self.sched, grid, ring, k_tiles)
                 work = sched.initial_work()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while work.is_valid:
                     m, n, l = work.tile
+                    k_start, k_count = self._k_range(work, k_tiles)
                     state = self._load_tile(
-                        sched, load_pipe, state, k_tiles, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
+                        sched, load_pipe, state, k_start, k_count, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
                         tma_b, tBgB[(None, n, None, l)], tBsB, b_mask,
                     )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:
-                TileScheduler.create(self.sched, grid, ring).serve_claims(sched_buf, trace)
+                TileScheduler.create(self.sched, grid, ring, k_tiles).serve_claims(sched_buf, trace)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.pingpong):
@@ -322,9 +324,15 @@ class Sm90GemmKernel:
             else:
                 self._consume(
                     tiled_mma, load_pipe, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
-                    TileScheduler.create(self.sched, grid, ring),
+                    TileScheduler.create(self.sched, grid, ring, k_tiles),
                     sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)), trace,
                 )
+
+    def _k_range(self, work, k_tiles) -> tuple:
+        """(first k-block, k-blocks) of `work`: a stream-K unit's, else the whole K."""
+        if const_expr(self.sched.stream_k):
+            return work.k_start, work.k_tiles
+        return Int32(0), k_tiles
 
     @cute.jit
     def _consume(
@@ -344,17 +352,31 @@ class Sm90GemmKernel:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         subtiles_done = Int32(0)
-        scratch = _SplitKScratch.create(sched_buf, arrivals, sched.grid, self.cluster_mn) if self.split_k > 1 else None
+        scratch = None
+        if const_expr(self.cfg.reduces_partials):
+            scratch = _SplitKScratch.create(sched_buf, arrivals, sched.grid, self.cluster_mn)
 
         work = sched.initial_work()
         while work.is_valid:
             m, n, l = work.tile
             if const_expr(trace is not None):
                 start = trace_now()
-            read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
+            _, k_count = self._k_range(work, k_tiles)
+            read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_count, read, release)
             if const_expr(self.split_k > 1):
-                if self._reduce_slices(scratch, acc, scratch.tile_id(m, n), l, mma_tidx, epi.bar):
+                slots = _SliceSlots(scratch.tile_id(m, n), self.split_k)
+                if self._reduce_partials(scratch, acc, scratch.tile_id(m, n), Int32(0), Int32(self.split_k), l,
+                                         slots, mma_tidx, epi.bar):
                     subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, 0)], subtiles_done)
+            elif const_expr(self.sched.stream_k):
+                whole = work.k_tiles == k_tiles
+                if not whole:
+                    first, last = sched.contributors(work.unit_tile)
+                    slots = _UnitSlots(sched, work.unit_tile, self.cluster_mn)
+                    whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), first, last + 1,
+                                                  sched.cluster, slots, mma_tidx, epi.bar)
+                if whole:
+                    subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
             else:
                 subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
             if const_expr(trace is not None):
@@ -425,15 +447,19 @@ class Sm90GemmKernel:
         store_pipe.producer_tail()
 
     @cute.jit
-    def _reduce_slices(self, scratch: "_SplitKScratch", acc, tile_id, l, mma_tidx, bar) -> Boolean:
-        """Split-K fixup of one tile: whether `acc` now holds the sum over every K slice.
+    def _reduce_partials(self, scratch: "_SplitKScratch", acc, tile_id, lo, hi, me, slots, mma_tidx, bar) -> Boolean:
+        """Fixup of one tile shared by contributors lo .. hi-1 (K slices, or
+        stream-K clusters), this CTA being `me`: whether `acc` now holds the
+        whole sum. `slots(i)` is contributor i's partial slot.
 
-        Each slice parks its partial and arrives on the tile's semaphore; only
-        the last arrival reads the others (in a thread-major order that makes
-        every access coalesced) and resets the semaphore for the next launch.
+        Each contributor parks its partial and arrives on the tile's
+        semaphore; only the last arrival reads the others (in a thread-major
+        order that makes every access coalesced) and resets the semaphore for
+        the next launch. Nobody waits on anybody, so no co-residency is assumed.
         """
         values = cute.size(acc)
-        own = scratch.partial(tile_id, l, self.split_k, values, self.mma_threads)
+        count = hi - lo
+        own = scratch.partial(slots(me), values, self.mma_threads)
         for i in cutlass.range_constexpr(values):
             own[i, mma_tidx] = acc[i]
         # The partial is visible device-wide before the arrival that counts it.
@@ -442,15 +468,15 @@ class Sm90GemmKernel:
         if mma_tidx == 0:
             earlier = cute.arch.atomic_add(scratch.semaphore(tile_id), Int32(1), sem="acq_rel", scope="gpu")
             scratch.arrivals[0] = earlier
-            if earlier == self.split_k - 1:
+            if earlier == count - 1:
                 scratch.sems[tile_id] = Int32(0)
         bar.arrive_and_wait()
-        last = scratch.arrivals[0] == self.split_k - 1
+        last = scratch.arrivals[0] == count - 1
         if last:
             cute.arch.fence_acq_rel_gpu()
-            for s in cutlass.range(self.split_k):
-                if s != l:
-                    other = scratch.partial(tile_id, s, self.split_k, values, self.mma_threads)
+            for c in cutlass.range(lo, hi):
+                if c != me:
+                    other = scratch.partial(slots(c), values, self.mma_threads)
                     for i in cutlass.range_constexpr(values):
                         acc[i] = acc[i] + other[i, mma_tidx]
         return last
@@ -522,12 +548,13 @@ class Sm90GemmKernel:
         return load_pipe, ring, turns
 
     @cute.jit
-    def _load_tile(self, sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
-        """The load warp's share of one tile: its `k_tiles` k-blocks of A and B
-        into the ring, between the two claim requests of `sched`; returns the
-        ring state the next tile continues from."""
+    def _load_tile(self, sched, load_pipe, state, k_start, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
+                   b_mask):
+        """The load warp's share of one tile: its k-blocks k_start .. k_start +
+        k_tiles - 1 of A and B into the ring, between the two claim requests
+        of `sched`; returns the ring state the next tile continues from."""
         sched.request_next(True)
-        for kt in range(k_tiles):
+        for kt in range(k_start, k_start + k_tiles):
             load_pipe.producer_acquire(state)
             bar = load_pipe.producer_get_barrier(state)
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
@@ -672,7 +699,32 @@ class _SplitKScratch:
     def semaphore(self, tile_id) -> cute.Pointer:
         return self.sems.iterator + tile_id
 
-    def partial(self, tile_id, l, split_k: int, values: int, threads: int) -> cute.Tensor:
-        """(value, thread) fp32 partial of K slice `l` of a tile."""
-        start = (Int64(tile_id) * split_k + l) * (values * threads)
+    def partial(self, slot, values: int, threads: int) -> cute.Tensor:
+        """(value, thread) fp32 partial tile in slot `slot` (see `_SliceSlots`, `_UnitSlots`)."""
+        start = Int64(slot) * (values * threads)
         return cute.make_tensor(self.partials + start, cute.make_layout((values, threads), stride=(threads, 1)))
+
+
+class _SliceSlots:
+    """Split-K: K slice l of CTA tile `tile_id` parks in slot tile_id * S + l."""
+
+    def __init__(self, tile_id, split_k: int):
+        self.tile_id = tile_id
+        self.split_k = split_k
+
+    def __call__(self, l):
+        return Int64(self.tile_id) * self.split_k + l
+
+
+class _UnitSlots:
+    """Stream-K: the unit of cluster c in a stream-K tile parks in c's slot
+    for that tile (`StreamKScheduler.slot`), one per CTA of the cluster."""
+
+    def __init__(self, sched, unit_tile, cluster_mn: tuple[int, int]):
+        self.sched = sched
+        self.unit_tile = unit_tile
+        self.cluster_size = cluster_mn[0] * cluster_mn[1]
+        self.rank = sched.rank_mn[0] + sched.rank_mn[1] * cluster_mn[0]
+
+    def __call__(self, cluster):
+        return Int64(self.sched.slot(cluster, self.unit_tile)) * self.cluster_size + self.rank

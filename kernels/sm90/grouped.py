@@ -220,7 +220,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
                         cute.group_modes(gB, 0, 2),
                     )
                     state = self._load_tile(
-                        sched, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
+                        sched, load_pipe, state, Int32(0), k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
+                        b_mask,
                     )
                     work = sched.advance()
                 load_pipe.producer_tail(state)
