@@ -13,10 +13,11 @@ of each scheduler, the winner and its tile) and prints a markdown table with
 the geometric means of cuBLAS / pool and cuBLAS / dispatch (pool or cuBLAS,
 whichever won).
 
-New tile shapes earn their place per key: the best measured config with a
-tile of the old pool (tile_n a multiple of 32, tile_m not 192) and the best
-with a new one are re-measured interleaved; the table names the keys where
-the new tiles win and by how much.
+Each capability earns its place per key: for the new tile shapes (tile_n
+not a multiple of 32, or tile_m 192), pingpong consumers and the stream-K
+scheduler, the best measured config with it and the best without it are
+re-measured interleaved; the table names the keys where it wins and by how
+much. The best tuning-trial time of each consumer mode is reported too.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _searched(backend, key: Key, name: str, trials: int, seconds: float | None, 
     return {"cublas_ms": w.baseline_ms, "best_ms": pool[best_sched] if pool else None,
             "best_scheduler": best_sched, "dispatch_ms": w.ms, "winner": w.config_name,
             "winner_config": w.config, "winner_tile": tile, "best_by_scheduler": pool,
-            "measured": w.trials, **_old_vs_new_tiles(backend, key, trials_)}
+            "measured": w.trials, **_capabilities(backend, key, trials_)}
 
 
 def new_tile(config: dict) -> bool:
@@ -83,21 +84,39 @@ def new_tile(config: dict) -> bool:
     return config["tile_m"] == 192 or config["tile_n"] % 32 != 0
 
 
-def _old_vs_new_tiles(backend, key: Key, trials_) -> dict:
-    """The best measured config with an old tile and with a new one, re-measured interleaved."""
+def _consumer(config: dict) -> str:
+    # Configs stored before the knob existed are cooperative.
+    return config.get("consumer", "cooperative")
+
+
+# Capabilities that must earn their place: name -> whether a config has it.
+CAPABILITIES = {
+    "new_tiles": new_tile,
+    "pingpong": lambda c: _consumer(c) == "pingpong",
+    "stream_k": lambda c: c["scheduler"] == "stream_k",
+}
+
+
+def _capabilities(backend, key: Key, trials_) -> dict:
+    """Per capability, the best measured config with it and without it, all
+    re-measured in one interleaved run; and the best trial per consumer mode."""
     from kernels.space import GemmConfig
 
-    best: dict[bool, object] = {}
-    for t in sorted((t for t in trials_ if t.ok and t.config), key=lambda t: t.ms):
-        best.setdefault(new_tile(t.config), t)
-    sides = [best.get(False), best.get(True)]
-    present = [t for t in sides if t is not None]
-    again = backend.remeasure(key, [GemmConfig.from_dict(t.config) for t in present]) if present else []
-    times = {t.config_name: m.ms for t, m in zip(present, again, strict=True) if m.ok}
-    out = {}
-    for label, t in zip(("old_tiles", "new_tiles"), sides, strict=True):
-        out[f"{label}_config"] = t.config_name if t else None
-        out[f"{label}_ms"] = times.get(t.config_name) if t else None
+    ranked = sorted((t for t in trials_ if t.ok and t.config), key=lambda t: t.ms)
+    sides = {}
+    for cap, has in CAPABILITIES.items():
+        sides[cap] = {with_: next((t for t in ranked if has(t.config) == with_), None) for with_ in (True, False)}
+    present = {t.config_name: t for pair in sides.values() for t in pair.values() if t is not None}
+    again = backend.remeasure(key, [GemmConfig.from_dict(t.config) for t in present.values()]) if present else []
+    times = {name: m.ms for name, m in zip(present, again, strict=True) if m.ok}
+    out = {"best_by_consumer": {}}
+    for t in ranked:
+        out["best_by_consumer"].setdefault(_consumer(t.config), t.ms)
+    for cap, pair in sides.items():
+        for with_, t in pair.items():
+            label = f"{cap}_{'with' if with_ else 'without'}"
+            out[f"{label}_config"] = t.config_name if t else None
+            out[f"{label}_ms"] = times.get(t.config_name) if t else None
     return out
 
 
@@ -143,33 +162,40 @@ def _fmt(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.4f}"
 
 
-def _tile_gain(r: dict) -> float | None:
-    """Best old-tile time / best new-tile time of a record (> 1: the new tiles win)."""
-    old, new = r.get("old_tiles_ms"), r.get("new_tiles_ms")
-    return old / new if old and new else None
+def gain(r: dict, cap: str) -> float | None:
+    """Best time without capability `cap` / best time with it (> 1: it wins)."""
+    without, with_ = r.get(f"{cap}_without_ms"), r.get(f"{cap}_with_ms")
+    return without / with_ if without and with_ else None
+
+
+CONSUMERS = space.knobs(ARCH)["consumer"]
 
 
 def markdown(records: list[dict]) -> str:
-    head = ["key", "M", "N", "K", "cuBLAS ms", "pool ms", "cuBLAS/pool", *SCHEDULERS, "tile",
-            "old/new tiles", "dispatch"]
+    head = ["key", "M", "N", "K", "cuBLAS ms", "pool ms", "cuBLAS/pool", *SCHEDULERS, *CONSUMERS, "tile",
+            *(f"{c} gain" for c in CAPABILITIES), "dispatch"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         by = r.get("best_by_scheduler") or {}
+        by_consumer = r.get("best_by_consumer") or {}
         ratio = r["cublas_ms"] / r["best_ms"] if r.get("best_ms") else None
-        gain = _tile_gain(r)
+        gains = [gain(r, c) for c in CAPABILITIES]
         cells = [r["name"], r["M"], r["N"], r["K"], _fmt(r["cublas_ms"]), _fmt(r["best_ms"]),
                  "-" if ratio is None else f"{ratio:.3f}", *(_fmt(by.get(s)) for s in SCHEDULERS),
-                 r.get("winner_tile") or "-", "-" if gain is None else f"{gain:.3f}", r["winner"]]
+                 *(_fmt(by_consumer.get(c)) for c in CONSUMERS), r.get("winner_tile") or "-",
+                 *("-" if g is None else f"{g:.3f}" for g in gains), r["winner"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     pool = [r["cublas_ms"] / r["best_ms"] for r in records if r.get("best_ms")]
     dispatch = [r["cublas_ms"] / r["dispatch_ms"] for r in records]
     lines.append("")
-    lines.append(f"geometric mean cuBLAS/pool {geomean(pool):.3f} over {len(pool)} keys; "
-                 f"cuBLAS/dispatch {geomean(dispatch):.3f}, worst key {min(dispatch, default=math.nan):.3f}")
-    wins = [f"{r['name']} M={r['M']} x{_tile_gain(r):.3f} ({r['new_tiles_config']})"
-            for r in records if (_tile_gain(r) or 0) > 1]
-    lines.append("new tiles (tile_n not a multiple of 32, or tile_m 192) beat the best old tile on "
-                 f"{len(wins)} of {len(records)} keys" + (": " + "; ".join(wins) if wins else ""))
+    lines.append(f"geometric mean cuBLAS/pool {geomean(pool):.3f} over {len(pool)} keys "
+                 f"(worst {min(pool, default=math.nan):.3f}); cuBLAS/dispatch {geomean(dispatch):.3f}, "
+                 f"worst key {min(dispatch, default=math.nan):.3f}")
+    for cap in CAPABILITIES:
+        wins = [f"{r['name']} M={r['M']} x{gain(r, cap):.3f} ({r[f'{cap}_with_config']})"
+                for r in records if (gain(r, cap) or 0) > 1]
+        lines.append(f"{cap} beats the best config without it on {len(wins)} of {len(records)} keys"
+                     + (": " + "; ".join(wins) if wins else ""))
     return "\n".join(lines)
 
 

@@ -2,11 +2,11 @@
 
     python -m bench.sm90_variants [--m 128,512,2048,8192] [--out FILE]
 
-No search: every key times the same hand-picked variants (whole-K tiles and
-in-kernel split-K), interleaved with cuBLAS through `GpuBackend.remeasure`
+No search: every key times the same hand-picked variants (whole-K tiles,
+in-kernel split-K and the stream-K scheduler on the same tiles), interleaved with cuBLAS through `GpuBackend.remeasure`
 (CUDA graphs over L2-cold rotated operands, medians, correctness checked on
 first use). Prints one markdown row per key: cuBLAS, the best whole-K
-variant, the best split-K variant and the best of all, with the geometric
+variant, the best split-K variant, the best stream-K variant and the best of all, with the geometric
 means of cuBLAS / pool over the keys, and writes every timing as JSON.
 """
 
@@ -31,8 +31,19 @@ SPLIT_K = tuple(
     GemmConfig(scheduler=_STATIC, tile_m=128, tile_n=tn, stages=4 if tn > 128 else 6, split_k=s)
     for tn, s in ((192, 2), (256, 2), (128, 2), (192, 4), (256, 4))
 )
+STREAM_K = tuple(
+    GemmConfig(scheduler="stream_k", tile_m=tm, tile_n=tn, stages=st, swizzle=4, cluster_m=cm)
+    for tm, tn, st, cm in ((128, 128, 6, 1), (128, 192, 4, 1), (128, 256, 4, 1), (128, 256, 4, 2), (64, 256, 5, 1))
+)
+VARIANTS = (*WHOLE_K, *SPLIT_K, *STREAM_K)
+FAMILIES = ("whole-K", "split-K", "stream-K")
 # Above this M every key has tiles enough for the whole device without splitting K.
 SPLIT_K_MAX_M = 2048
+
+
+def family(name: str) -> str:
+    cfg = GemmConfig.from_name(name)
+    return "stream-K" if cfg.stream_k else "split-K" if cfg.split_k > 1 else "whole-K"
 
 
 def _runs(cfg: GemmConfig, p: Problem) -> bool:
@@ -49,13 +60,13 @@ def run(ms: list[int], out: Path) -> list[dict]:
     from kernels.compile import compile_many
     from tuner.gpu import GpuBackend
 
-    compile_many([*WHOLE_K, *SPLIT_K], workers=16)
+    compile_many(list(VARIANTS), workers=16)
     records = []
     with GpuBackend(ARCH) as backend:
         for m in ms:
             for name, (n, k) in GEMMA3_27B.items():
                 p = Problem(m, n, k)
-                cfgs = [c for c in (*WHOLE_K, *SPLIT_K) if _runs(c, p)]
+                cfgs = [c for c in VARIANTS if _runs(c, p)]
                 got = backend.remeasure(Key(ARCH, backend.device_name, p), [None, *cfgs])
                 times = {c.name(): g.ms for c, g in zip(cfgs, got[1:]) if g.ok}
                 errors = {c.name(): g.error for c, g in zip(cfgs, got[1:]) if not g.ok}
@@ -69,23 +80,23 @@ def run(ms: list[int], out: Path) -> list[dict]:
     return records
 
 
-def _best(rec: dict, split: bool | None) -> float | None:
-    times = [ms for cfg, ms in rec["pool_ms"].items() if split is None or ("-k" in cfg) == split]
-    return min(times, default=None)
+def _best(rec: dict, families: tuple[str, ...] = FAMILIES) -> float | None:
+    return min((ms for cfg, ms in rec["pool_ms"].items() if family(cfg) in families), default=None)
 
 
 def _row(rec: dict) -> str:
     cells = [rec["name"], rec["M"], rec["N"], rec["K"], rec["cublas_ms"],
-             _best(rec, False), _best(rec, True), _best(rec, None)]
+             *(_best(rec, (f,)) for f in FAMILIES), _best(rec)]
     return "| " + " | ".join("-" if c is None else f"{c:.4f}" if isinstance(c, float) else str(c)
                              for c in cells) + " |"
 
 
 def markdown(records: list[dict]) -> str:
-    lines = ["| key | M | N | K | cuBLAS ms | whole-K ms | split-K ms | pool ms |", "|" + "---|" * 8]
+    head = ["key", "M", "N", "K", "cuBLAS ms", *(f"{f} ms" for f in FAMILIES), "pool ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += [_row(r) for r in records]
-    for label, split in (("whole-K", False), ("pool", None)):
-        ratios = [r["cublas_ms"] / b for r in records if (b := _best(r, split))]
+    for label, families in (("whole-K", FAMILIES[:1]), ("whole-K or split-K", FAMILIES[:2]), ("pool", FAMILIES)):
+        ratios = [r["cublas_ms"] / b for r in records if (b := _best(r, families))]
         lines.append(f"geometric mean cuBLAS/{label} {geomean(ratios):.3f} over {len(ratios)} keys")
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ from kernels.space import GemmConfig, check_problem
 DYN = "dynamic_persistent"
 STATIC = "static_persistent"
 SINGLE = "single_tile"
+SK = "stream_k"
 PP = "pingpong"
 
 
@@ -68,6 +69,11 @@ OFFLINE = [
     _v("nn", scheduler=DYN, consumer=PP, cluster_m=2, sched_depth=2),
     _v(scheduler=SINGLE, consumer=PP, tile_m=64, tile_n=256, cluster_n=2),
     _v("nn", scheduler=DYN, consumer=PP, tile_m=64, tile_n=176, stages=6, dtype_out="fp32"),
+    # Stream-K: both tile_m, clusters (the units of a cluster's CTAs), fp32 out.
+    _v(scheduler=SK, swizzle=4),
+    _v("nn", scheduler=SK, tile_m=64, tile_n=256, stages=5, cluster_n=2),
+    _v(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=2, dtype_out="fp32"),
+    _v("nn", scheduler=SK, tile_m=128, tile_n=192, cluster_m=2, cluster_n=2, raster="n", swizzle=2),
 ]
 
 
@@ -97,9 +103,11 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     assert ".target sm_90a" in k.ptx
     assert "wgmma.mma_async" in k.ptx
     assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler == DYN)
-    # Split-K slices count themselves on a tile semaphore and reduce in the kernel.
-    assert ("atom.global.acq_rel.add" in k.ptx) == (v.cfg.scheduler == DYN or v.cfg.split_k > 1)
-    assert ("fence.acq_rel.gpu" in k.ptx) == (v.cfg.split_k > 1)
+    # Split-K slices and stream-K units count themselves on a tile semaphore
+    # and reduce in the kernel; nothing else touches global atomics.
+    assert ("atom.global.acq_rel.add" in k.ptx) == (v.cfg.scheduler == DYN or v.cfg.reduces_partials)
+    assert ("atom.global" in k.ptx) == (v.cfg.scheduler == DYN or v.cfg.reduces_partials)
+    assert ("fence.acq_rel.gpu" in k.ptx) == v.cfg.reduces_partials
     # Pingpong warpgroups each sync their own epilogue: the barrier id is a
     # register (the warpgroup's), the count one warpgroup.
     assert bool(re.search(r"bar\.sync \t%r\d+, 128;", k.ptx)) == v.cfg.pingpong
@@ -234,6 +242,32 @@ def test_split_k_correct(cfg, layout):
     _check(cfg, layout, SPLIT_K_SHAPES)
 
 
+# Stream-K: fewer tiles than SMs (every tile shared, units of a few k-blocks),
+# a partial last wave (27B o at M = 512: 168 tiles of 128 x 128 on 132 SMs),
+# a partial wave too small for units alone (a full wave joins it), whole waves
+# (no unit at all), K of one k-block, ragged edges; run back to back on one
+# scratch buffer, so a semaphore left set would break the next shape.
+STREAM_K_CONFIGS = [
+    GemmConfig(scheduler=SK),
+    GemmConfig(scheduler=SK, swizzle=4, raster="n"),
+    GemmConfig(scheduler=SK, tile_m=64, tile_n=256, stages=5, cluster_n=2),
+    GemmConfig(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=2, swizzle=2),
+    GemmConfig(scheduler=SK, tile_n=192, cluster_m=2, cluster_n=2),
+]
+STREAM_K_SHAPES = [
+    (128, 5376, 4096), (512, 5376, 4096), (512, 5376, 21504), (1, 256, 4096), (300, 200, 136),
+    (129, 8, 520), (77, 264, 8), (2048, 1536, 1024), (1152, 1408, 256), (4224, 4096, 512), (1000, 3000, 4608),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", STREAM_K_CONFIGS, ids=lambda c: c.name())
+def test_stream_k_correct(cfg, layout):
+    _check(cfg, layout, STREAM_K_SHAPES)
+    _check(cfg, layout, STREAM_K_SHAPES[1:2], dtype_out="fp32")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_out", ["fp32", "fp16"])
 @pytest.mark.parametrize(
@@ -251,7 +285,9 @@ def test_output_dtypes(cfg, dtype_out):
 
 
 def _sched_buf_is_clear() -> bool:
-    return all(int(buf.abs().sum()) == 0 for buf in kc._sched_bufs.values())
+    """Counters and tile semaphores are back at zero (partials may stay)."""
+    scratch = [s.buf[:s._zero_end] for s in kc._split_k_scratch.values() if s.buf is not None]
+    return all(int(buf.abs().sum()) == 0 for buf in [*kc._sched_bufs.values(), *scratch])
 
 
 @pytest.mark.gpu
@@ -274,7 +310,8 @@ def test_dynamic_back_to_back_launches_reset_the_counter():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [GemmConfig(scheduler=DYN, sched_depth=1, swizzle=2), GemmConfig(scheduler=DYN, split_k=2, tile_n=64)],
+    [GemmConfig(scheduler=DYN, sched_depth=1, swizzle=2), GemmConfig(scheduler=DYN, split_k=2, tile_n=64),
+     GemmConfig(scheduler=SK, swizzle=2)],
     ids=lambda c: c.name(),
 )
 def test_dynamic_under_cuda_graph_replay(cfg):
