@@ -101,8 +101,11 @@ class Variant:
 
     @property
     def scratch(self) -> bool:
-        """Split-K or stream-K reduces in the kernel through a per-problem scratch buffer."""
-        return self.cfg.reduces_partials and self.cfg.arch in _SPLIT_K_IN_KERNEL
+        """Split-K or stream-K reduces in the kernel through a per-problem scratch buffer.
+
+        Stream-K does on every arch: its units end anywhere in K, so there
+        are no whole slices for a runner to sum."""
+        return self.cfg.stream_k or self.cfg.split_k > 1 and self.cfg.arch in _SPLIT_K_IN_KERNEL
 
     def key(self) -> str:
         key = f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"

@@ -73,11 +73,11 @@ TMEM_COLUMNS = 512
 SM90_REGISTERS = 65536
 SM90_NON_ACC_REGS = 32
 SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
-# In-kernel split-K and stream-K (sm90) work in an int32 scratch buffer: the
-# dynamic scheduler's two counters, one arrival semaphore per CTA tile, then,
-# from a 128-byte boundary, the fp32 partial tiles: one per (CTA tile, K
-# slice) for split-K, two per CTA of the persistent grid for stream-K (a
-# cluster's range parks at most its first and its last unit).
+# In-kernel split-K (sm90) and stream-K (sm90, sm100) work in an int32
+# scratch buffer: the dynamic scheduler's two counters, one arrival semaphore
+# per CTA tile, then, from a 128-byte boundary, the fp32 partial CTA tiles:
+# one per (CTA tile, K slice) for split-K, two per CTA of the persistent grid
+# for stream-K (a cluster's range parks at most its first and its last unit).
 SPLIT_K_COUNTERS = 2
 _SPLIT_K_PARTIALS_ALIGN = 32
 # Largest cluster: 8 CTAs is portable, 16 needs the non-portable attribute.
@@ -106,7 +106,7 @@ _KNOBS = {
         "consumer": CONSUMERS,
     },
     "sm100": {
-        "scheduler": ("single_tile", "static_persistent", "dynamic_persistent", "clc"),
+        "scheduler": ("single_tile", "static_persistent", "dynamic_persistent", "stream_k", "clc"),
         "tile_m": (64, 128, 256),
         "tile_n": (32, 64, 96, 128, 160, 192, 224, 256),
         "cluster_m": (1, 2, 4),
@@ -330,7 +330,8 @@ def split_k_partials_offset(tiles):
 
 def split_k_tiles(cfg: GemmConfig, m: int, n: int) -> int:
     """CTA tiles of an M x N output, padded to whole clusters: the split-K semaphores."""
-    tiles_m = _cdiv(_cdiv(m, cfg.tile_m), cfg.cluster_m) * cfg.cluster_m
+    # A 2-CTA MMA tile (sm100) is two CTA tiles, each with its own semaphore.
+    tiles_m = _cdiv(_cdiv(m, cfg.cta_tile_m), cfg.cluster_m) * cfg.cluster_m
     tiles_n = _cdiv(_cdiv(n, cfg.tile_n), cfg.cluster_n) * cfg.cluster_n
     return tiles_m * tiles_n
 
@@ -340,7 +341,7 @@ def split_k_scratch_words(cfg: GemmConfig, m: int, n: int, clusters: int = 0) ->
     output (stream-K: on a device that runs `clusters` clusters at once)."""
     tiles = split_k_tiles(cfg, m, n)
     partials = 2 * clusters * cfg.cluster_size if cfg.stream_k else tiles * cfg.split_k
-    return split_k_partials_offset(tiles) + partials * cfg.tile_m * cfg.tile_n
+    return split_k_partials_offset(tiles) + partials * cfg.cta_tile_m * cfg.tile_n
 
 
 _INT32_MAX = 2**31 - 1
@@ -379,8 +380,12 @@ def validate(cfg: GemmConfig) -> None:
     if cfg.stream_k and cfg.split_k > 1:
         raise InvalidConfig("stream-K splits K itself: split_k must be 1")
     # Both reduce partial tiles through the same fixup (sm90: in registers).
+    # sm100 stream-K reduces from TMEM one epilogue subtile at a time, each
+    # CTA its own rows: its CTA tiles are never over 128 rows, and the pair
+    # of a 2-CTA MMA splits a 256-row tile.
     what = "stream-K" if cfg.stream_k else "split-K"
-    if cfg.reduces_partials and cfg.tile_m > 128:
+    sm100_stream_k = cfg.arch == "sm100" and cfg.stream_k
+    if cfg.reduces_partials and cfg.tile_m > 128 and not sm100_stream_k:
         raise InvalidConfig(f"{what} reduces tiles of 64 or 128 rows, not {cfg.tile_m}")
     # The sm90 fixup beside an epilogue of 16-column sub-tiles spills
     # (128x240, layout nn: 24 bytes of stack); it keeps 32-column ones.

@@ -11,9 +11,18 @@ next tile (atomic counter or CLC) and broadcasts it through an smem ring.
 
 With acc_stages == 2 the accumulator is double-buffered in TMEM so the
 epilogue of one tile overlaps the mainloop of the next.
+
+Stream-K: the load and MMA warps walk each unit's k-blocks, and the
+epilogue warps reduce the tiles that units share in the kernel
+(`kernels.partials`): a unit short of its tile's K parks its partial,
+read from TMEM, in the scratch `sched_buf` and counts itself on the tile's
+semaphore; the last to arrive adds the others' partials to its own,
+subtile by subtile, and runs the epilogue, the others store nothing.
+Each CTA of a 2-CTA MMA pair reduces its own half of the tile, in its own
+TMEM, so the pair needs no agreement beyond the unit it shares.
 """
 
-
+from dataclasses import dataclass
 from typing import Optional
 
 import cutlass
@@ -24,9 +33,14 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
-from cutlass.utils.gemm.sm100 import epilogue_tma_store
+from cutlass.utils.gemm.sm100 import (
+    epilogue_smem_copy_and_partition,
+    epilogue_tmem_copy_and_partition,
+    transform_partitioned_tensor_layout,
+)
 
 from kernels import space
+from kernels.partials import PartialScratch, UnitSlots
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.sm100 import clc
 from kernels.space import GemmConfig, InvalidConfig
@@ -47,7 +61,8 @@ class Sm100GemmKernel:
     one batch of the tile walk and the caller sums the slices. `sched_buf` is
     the int32[2] buffer of the atomic scheduler (unused by the others) and
     `max_clusters` the clusters the device runs at once (a runtime value, so
-    an SM carve-out needs no recompile).
+    an SM carve-out needs no recompile). With stream-K `sched_buf` is the
+    scratch laid out by `kernels.space.split_k_scratch_words` instead.
     `rows`, an optional device int32[1], makes the launch a padded one: A and
     `out` are worst-case buffers of which only the first rows[0] rows are
     real. The grid still covers the whole buffer (as a CUDA graph needs) and
@@ -159,6 +174,8 @@ class Sm100GemmKernel:
             tmem_holding_buf: cutlass.Int32
             ring_bars: cute.struct.MemRange[cutlass.Int64, n_ring_bars]
             ring_slots: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, n_ring_words], 16]
+            # Stream-K: a unit's arrival count, from the thread that counted to the others.
+            arrivals: cute.struct.MemRange[cutlass.Int32, 1 if self.sched.stream_k else 0]
             sC: cute.struct.Align[
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem_layout_staged.outer)], 1024
             ]
@@ -193,13 +210,19 @@ class Sm100GemmKernel:
 
         # The launch covers the whole (possibly padded) output buffer.
         tiles = TileGrid.of(c.shape, self.cta_tile_shape_mnk[:2], self.cluster_shape_mn)
+        if cutlass.const_expr(self.sched.stream_k):
+            # Stream-K sizes its grid by the k-blocks there are to share.
+            k_tiles = (a.shape[1] + self.mma_tiler[2] - 1) // self.mma_tiler[2]
+            grid = self.sched.grid_shape(tiles, max_clusters, k_tiles)
+        else:
+            grid = self.sched.grid_shape(tiles, max_clusters)
 
         self.kernel(
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
             self.cluster_layout_vmnk, self.a_smem_layout_staged, self.b_smem_layout_staged,
             self.c_smem_layout_staged, self.epi_tile, sched_buf, rows, self._trace_buf,
         ).launch(
-            grid=self.sched.grid_shape(tiles, max_clusters),
+            grid=grid,
             block=[self.threads_per_cta, 1, 1],
             cluster=(*self.cluster_shape_mn, 1),
             smem=self.shared_storage.size_in_bytes(),
@@ -307,15 +330,16 @@ class Sm100GemmKernel:
 
         # ---- TMA load warp
         if warp_idx == self.tma_warp_id:
-            sched = self._scheduler(tiles, ring)
+            sched = self._scheduler(tiles, ring, k_tile_cnt)
             work = sched.initial_work()
             while work.is_valid:
                 mma_m, mma_n, mma_l = self._mma_tile(work, tiled_mma)
                 tAgA_slice = tAgA[(None, mma_m, None, mma_l)]
                 tBgB_slice = tBgB[(None, mma_n, None, mma_l)]
+                k_start, k_count = self._k_range(work, k_tile_cnt)
                 ab_producer = self._load_tile(
-                    sched, ab_producer, k_tile_cnt, tma_atom_a, tAgA_slice, tAsA, a_full_mcast_mask,
-                    tma_atom_b, tBgB_slice, tBsB, b_full_mcast_mask,
+                    sched, ab_producer, k_count, tma_atom_a, tAgA_slice, tAsA, a_full_mcast_mask,
+                    tma_atom_b, tBgB_slice, tBsB, b_full_mcast_mask, k_start,
                 )
                 work = sched.advance()
             ab_producer.tail()
@@ -323,7 +347,7 @@ class Sm100GemmKernel:
         # ---- scheduler warp: claims tiles for the whole cluster
         if cutlass.const_expr(self.has_sched_warp):
             if warp_idx == self.sched_warp_id:
-                self._scheduler(tiles, ring).serve_claims(sched_buf, trace)
+                self._scheduler(tiles, ring, k_tile_cnt).serve_claims(sched_buf, trace)
 
         # ---- MMA warp
         if warp_idx == self.mma_warp_id:
@@ -345,29 +369,132 @@ class Sm100GemmKernel:
                     pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
                 ),
             )
-            tiles_done = cutlass.Int32(0)
-            sched = self._scheduler(tiles, ring)
+            epi = self._epilogue(tidx, tma_atom_c, tCtAcc_base, sC, tCgC, epi_tile)
+            scratch = None
+            if cutlass.const_expr(self.sched.stream_k):
+                # Laid out for the whole (possibly padded) buffer, as the runner sizes it.
+                scratch = PartialScratch.create(
+                    sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)),
+                    TileGrid.of(mC_mnl.shape, self.cta_tile_shape_mnk[:2], self.cluster_shape_mn),
+                    self.cluster_shape_mn,
+                )
+            subtiles_done = cutlass.Int32(0)
+            sched = self._scheduler(tiles, ring, k_tile_cnt)
             work = sched.initial_work()
             while work.is_valid:
                 tile = work.tile
                 mma_tile_coord = self._mma_tile(work, tiled_mma)
+                unit = None
+                if cutlass.const_expr(self.sched.stream_k):
+                    unit = _SharedUnit.of(work, sched, scratch, k_tile_cnt, self.cluster_shape_mn)
                 # Take the next tile before the stores, so the scheduler's
                 # ring slot frees as early as possible.
                 work = sched.advance()
-                acc_consumer_state = epilogue_tma_store(
-                    self, tidx, warp_idx, tma_atom_c, tCtAcc_base, sC, tCgC, epi_tile,
-                    tiles_done, lambda x: x, mma_tile_coord, acc_consumer_state,
-                    acc_pipeline, c_pipeline,
+                acc_consumer_state, subtiles_done = self._store_tile(
+                    epi, tidx, warp_idx, tma_atom_c, mma_tile_coord, acc_consumer_state, acc_pipeline,
+                    c_pipeline, subtiles_done, unit,
                 )
                 if cutlass.const_expr(trace is not None):
                     # Thread 0's warp issues the TMA stores; the epilogue's
                     # last barrier is behind them.
                     if tidx == 0:
                         trace.record(tile, None, trace_now())
-                tiles_done += 1
             c_pipeline.producer_tail()
             tmem.relinquish_alloc_permit()
             tmem.free(tCtAcc_base.iterator)
+
+    def _k_range(self, work, k_tile_cnt) -> tuple:
+        """(first k-block, k-blocks) of `work`: a stream-K unit's, else the whole K."""
+        if cutlass.const_expr(self.sched.stream_k):
+            return work.k_start, work.k_tiles
+        return cutlass.Int32(0), k_tile_cnt
+
+    def _epilogue(self, tidx, tma_atom_c, tCtAcc_base, sC, tCgC, epi_tile) -> "_Epilogue":
+        """The TMEM -> registers -> smem -> TMA-store partitions of one epilogue
+        thread: those `cutlass.utils.gemm.sm100.epilogue_tma_store` builds for
+        every tile, built once; `_store_tile` is that function's loop with
+        the stream-K fixup added."""
+        # ((MMA_ATOM_M, MMA_M), (MMA_ATOM_N, MMA_N), ...) views of C and the accumulators
+        tCgC_mn = transform_partitioned_tensor_layout(tCgC)
+        t2r, tTR_tAcc, tTR_rAcc = epilogue_tmem_copy_and_partition(
+            self, tidx, transform_partitioned_tensor_layout(tCtAcc_base), tCgC_mn, epi_tile, self.use_2cta_instrs
+        )
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, t2r, tTR_rC, tidx, sC)
+        bSG_sC, bSG_gC = cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+            cute.group_modes(cute.flat_divide(tCgC_mn, epi_tile), 0, 2),
+        )
+        threads = 32 * len(self.epilogue_warp_id)
+        if cutlass.const_expr(self.sched.stream_k):
+            # A partial slot holds one CTA tile (`kernels.space.split_k_scratch_words`):
+            # the epilogue threads' values must cover it once, or slots would overlap.
+            parked = cute.size(tTR_rAcc) * cute.size(tTR_tAcc, mode=[3]) * cute.size(tTR_tAcc, mode=[4]) * threads
+            if parked != self.cta_tile_shape_mnk[0] * self.cta_tile_shape_mnk[1]:
+                raise InvalidConfig(f"stream-K partial of {parked} values for a {self.cta_tile_shape_mnk[:2]} CTA tile")
+        bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=threads)
+        return _Epilogue(t2r, tTR_tAcc, tTR_rAcc, r2s, tRS_rC, tRS_sC, bSG_sC, bSG_gC, bar)
+
+    @cute.jit
+    def _store_tile(
+        self, e: "_Epilogue", tidx, warp_idx, tma_atom_c, mma_tile_coord, acc_state, acc_pipeline, c_pipeline,
+        subtiles_done, unit=None,
+    ):
+        """The epilogue of one accumulator stage: wait for it, store its tile
+        by TMA in epilogue subtiles, release it. A stream-K `unit` that shares
+        its tile is reduced first (`_SharedUnit`); unless it arrived last it
+        stores nothing. Returns the advanced stage and the subtiles stored
+        so far (the smem buffers rotate by stored subtiles)."""
+        # (T2R, T2R_M, T2R_N, subtile) of this stage, ((ATOM_V, REST_V), subtile) of this tile
+        tTR_tAcc = e.tTR_tAcc[(None, None, None, None, None, acc_state.index)]
+        tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+        bSG_gC = e.bSG_gC[(None, None, None, *mma_tile_coord)]
+        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+        subtiles = cute.size(tTR_tAcc.shape, mode=[3])
+        # Written inside branches: a store through `e` would carry all of it through them.
+        tTR_rAcc, tRS_rC = e.tTR_rAcc, e.tRS_rC
+        values = cute.size(tTR_rAcc)
+        threads = 32 * len(self.epilogue_warp_id)
+
+        acc_pipeline.consumer_wait(acc_state)
+        store = cutlass.Boolean(True)
+        if cutlass.const_expr(unit is not None):
+            if unit.shared:
+                own = unit.partial(unit.me, values * subtiles, threads)
+                for sub in cutlass.range(subtiles):
+                    cute.copy(e.t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                    for i in cutlass.range_constexpr(values):
+                        own[sub * values + i, tidx] = tTR_rAcc[i]
+                store = unit.scratch.arrive(unit.tile_id, unit.hi - unit.lo, tidx, e.bar)
+        if store:
+            for sub in cutlass.range(subtiles):
+                cute.copy(e.t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                if cutlass.const_expr(unit is not None):
+                    # Empty unless the unit shares its tile (and arrived last).
+                    for c in cutlass.range(unit.lo, unit.hi):
+                        if c != unit.me:
+                            other = unit.partial(c, values * subtiles, threads)
+                            for i in cutlass.range_constexpr(values):
+                                tTR_rAcc[i] = tTR_rAcc[i] + other[sub * values + i, tidx]
+                acc_vec = e.r2s.retile(tTR_rAcc).load()
+                tRS_rC.store(acc_vec.to(self.c_dtype))
+                buf = (subtiles_done + sub) % self.num_c_stage
+                cute.copy(e.r2s, tRS_rC, e.tRS_sC[(None, None, None, buf)])
+                # Generic-proxy smem writes must be visible to the TMA store.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                e.bar.arrive_and_wait()
+                if warp_idx == self.epilogue_warp_id[0]:
+                    cute.copy(tma_atom_c, e.bSG_sC[(None, buf)], bSG_gC[(None, sub)])
+                    c_pipeline.producer_commit()
+                    c_pipeline.producer_acquire()
+                e.bar.arrive_and_wait()
+            subtiles_done = subtiles_done + subtiles
+        # As `epilogue_tma_store`: the epilogue warps leave the stage together.
+        e.bar.arrive_and_wait()
+        with cute.arch.elect_one():
+            acc_pipeline.consumer_release(acc_state)
+        acc_state.advance()
+        return acc_state, subtiles_done
 
     def _cta_start(self, storage, cluster_layout_vmnk: cute.Layout, use_2cta_instrs: bool) -> tuple:
         """The pipelines (loads -> MMA, MMA -> epilogue), the scheduler ring and
@@ -438,22 +565,23 @@ class Sm100GemmKernel:
     @cute.jit
     def _load_tile(
         self, sched, ab_producer, k_tile_cnt, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB,
-        b_mcast_mask,
+        b_mcast_mask, k_start=0,
     ):
-        """TMA loads of one tile's k-blocks of A and B into the stage ring,
-        between the two claim requests of `sched`; returns the producer, whose
-        ring position the caller carries to the next tile."""
+        """TMA loads of a tile's k-blocks k_start .. k_start + k_tile_cnt - 1
+        of A and B into the stage ring, between the two claim requests of
+        `sched`; returns the producer, whose ring position the caller carries
+        to the next tile."""
         sched.request_next(True)
         ab_producer.reset()
         peek_empty = ab_producer.try_acquire()
         for _k in cutlass.range(0, k_tile_cnt, 1, unroll=1):
             handle = ab_producer.acquire_and_advance(peek_empty)
             cute.copy(
-                tma_atom_a, tAgA[(None, handle.count)], tAsA[(None, handle.index)],
+                tma_atom_a, tAgA[(None, k_start + handle.count)], tAsA[(None, handle.index)],
                 tma_bar_ptr=handle.barrier, mcast_mask=a_mcast_mask,
             )
             cute.copy(
-                tma_atom_b, tBgB[(None, handle.count)], tBsB[(None, handle.index)],
+                tma_atom_b, tBgB[(None, k_start + handle.count)], tBsB[(None, handle.index)],
                 tma_bar_ptr=handle.barrier, mcast_mask=b_mcast_mask,
             )
             peek_empty = cutlass.Boolean(1)
@@ -467,7 +595,8 @@ class Sm100GemmKernel:
         self, work_tiles, ring, tmem: TmemAllocator, tCtAcc_fake: cute.Tensor, tiled_mma: cute.TiledMma,
         ab_consumer, acc_pipeline, tCrA: cute.Tensor, tCrB: cute.Tensor, k_tile_cnt, is_leader_cta, trace=None,
     ):
-        """The MMA warp: one accumulator stage per tile of `work_tiles` (see `_scheduler`).
+        """The MMA warp: one accumulator stage per tile (stream-K: per unit) of
+        `work_tiles` (see `_scheduler`).
 
         Traced, the leader CTA's MMA warp writes when the mainloop began into
         the record of every CTA tile its MMAs compute (its own; with a 2-CTA
@@ -478,9 +607,14 @@ class Sm100GemmKernel:
         acc_producer_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.num_acc_stage
         )
-        sched = self._scheduler(work_tiles, ring)
+        if cutlass.const_expr(self.sched.stream_k):
+            sched = self._scheduler(work_tiles, ring, k_tile_cnt)
+        else:
+            # A grouped kernel's `_scheduler` (never stream-K) takes no k-blocks.
+            sched = self._scheduler(work_tiles, ring)
         work = sched.initial_work()
         while work.is_valid:
+            _, k_count = self._k_range(work, k_tile_cnt)
             tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
             ab_consumer.reset()
             peek_full = cutlass.Boolean(1)
@@ -490,7 +624,7 @@ class Sm100GemmKernel:
                 if cutlass.const_expr(trace is not None):
                     self._trace_start(trace, work.tile, tiled_mma)
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-            for _k in range(k_tile_cnt):
+            for _k in range(k_count):
                 if is_leader_cta:
                     handle = ab_consumer.wait_and_advance(peek_full)
                     num_kblocks = cute.size(tCrA, mode=[2])
@@ -500,7 +634,7 @@ class Sm100GemmKernel:
                         tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                     handle.release()
                     peek_full = cutlass.Boolean(1)
-                    if handle.count + 1 < k_tile_cnt:
+                    if handle.count + 1 < k_count:
                         peek_full = ab_consumer.try_wait()
             if is_leader_cta:
                 acc_pipeline.producer_commit(acc_producer_state)
@@ -543,17 +677,70 @@ class Sm100GemmKernel:
         tmem.wait_for_alloc()
         return cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), fake.layout)
 
-    def _scheduler(self, tiles: TileGrid, ring):
-        """The scheduler every warp role walks (a grouped kernel walks its group table instead)."""
+    def _scheduler(self, tiles: TileGrid, ring, k_tiles=None):
+        """The scheduler every warp role walks (a grouped kernel walks its group
+        table instead); stream-K needs a tile's k-blocks, `k_tiles`."""
         if cutlass.const_expr(self.cfg.scheduler == "clc"):
             return clc.ClcScheduler.create(self.sched, tiles, ring)
-        return TileScheduler.create(self.sched, tiles, ring)
+        return TileScheduler.create(self.sched, tiles, ring, k_tiles)
 
     @cute.jit
     def _mma_tile(self, work, tiled_mma: cute.TiledMma):
         """MMA tile coordinate of a work tile given in CTA tiles (a 2-CTA MMA spans two)."""
         m, n, l = work.tile
         return (m // cute.size(tiled_mma.thr_id.shape), n, l)
+
+
+# Frozen: a dynamic branch may then call into them without carrying them
+# through the branch as values (the DSL treats frozen dataclasses as read-only).
+@dataclass(frozen=True)
+class _Epilogue:
+    """Per-thread epilogue state built once by `Sm100GemmKernel._epilogue`:
+    TMEM -> register copy and its partitions (t2r, tTR_tAcc, tTR_rAcc),
+    register -> smem copy (r2s, tRS_rC, tRS_sC), TMA store partitions
+    (bSG_sC, bSG_gC) and the epilogue warps' barrier."""
+
+    t2r: cute.TiledCopy
+    tTR_tAcc: cute.Tensor
+    tTR_rAcc: cute.Tensor
+    r2s: cute.TiledCopy
+    tRS_rC: cute.Tensor
+    tRS_sC: cute.Tensor
+    bSG_sC: cute.Tensor
+    bSG_gC: cute.Tensor
+    bar: pipeline.NamedBarrier
+
+
+@dataclass(frozen=True)
+class _SharedUnit:
+    """A stream-K unit as the epilogue reduces it: whether it shares its tile
+    (covers fewer than all of its k-blocks), the tile's semaphore, the
+    clusters lo .. hi-1 whose units cover the tile and this CTA's cluster
+    `me`. A unit that covers its whole tile has lo == hi: it adds nothing."""
+
+    shared: cutlass.Boolean
+    scratch: PartialScratch
+    tile_id: cutlass.Int32
+    lo: cutlass.Int32
+    hi: cutlass.Int32
+    me: cutlass.Int32
+    slots: UnitSlots
+
+    @staticmethod
+    def of(work, sched, scratch: PartialScratch, k_tiles, cluster_mn) -> "_SharedUnit":
+        """The unit of `work`, read before `sched` advances past it."""
+        shared = work.k_tiles < k_tiles
+        first, last = sched.contributors(work.unit_tile)
+        lo = cutlass.Int32(cutlass.select_(shared, first, 0))
+        hi = cutlass.Int32(cutlass.select_(shared, last + 1, 0))
+        m, n, _ = work.tile
+        return _SharedUnit(
+            shared, scratch, scratch.tile_id(m, n), lo, hi, sched.cluster, UnitSlots(sched, work.unit_tile, cluster_mn)
+        )
+
+    def partial(self, cluster, values: int, threads: int) -> cute.Tensor:
+        """The (value, thread) partial of `cluster`'s unit in this tile."""
+        return self.scratch.partial(self.slots(cluster), values, threads)
 
 
 @cute.jit

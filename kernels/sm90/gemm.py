@@ -38,16 +38,15 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from kernels.partials import PartialScratch, SliceSlots, UnitSlots
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.space import (
-    SPLIT_K_COUNTERS,
     TILE_K,
     GemmConfig,
     InvalidConfig,
     epi_buffers,
     epi_subtile_n,
     sm90_registers,
-    split_k_partials_offset,
 )
 from kernels.trace_device import TileTrace
 from kernels.trace_device import now as trace_now
@@ -354,7 +353,7 @@ class Sm90GemmKernel:
         subtiles_done = Int32(0)
         scratch = None
         if const_expr(self.cfg.reduces_partials):
-            scratch = _SplitKScratch.create(sched_buf, arrivals, sched.grid, self.cluster_mn)
+            scratch = PartialScratch.create(sched_buf, arrivals, sched.grid, self.cluster_mn)
 
         work = sched.initial_work()
         while work.is_valid:
@@ -364,7 +363,7 @@ class Sm90GemmKernel:
             _, k_count = self._k_range(work, k_tiles)
             read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_count, read, release)
             if const_expr(self.split_k > 1):
-                slots = _SliceSlots(scratch.tile_id(m, n), self.split_k)
+                slots = SliceSlots(scratch.tile_id(m, n), self.split_k)
                 if self._reduce_partials(scratch, acc, scratch.tile_id(m, n), Int32(0), Int32(self.split_k), l,
                                          slots, mma_tidx, epi.bar):
                     subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, 0)], subtiles_done)
@@ -372,7 +371,7 @@ class Sm90GemmKernel:
                 whole = work.k_tiles == k_tiles
                 if not whole:
                     first, last = sched.contributors(work.unit_tile)
-                    slots = _UnitSlots(sched, work.unit_tile, self.cluster_mn)
+                    slots = UnitSlots(sched, work.unit_tile, self.cluster_mn)
                     whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), first, last + 1,
                                                   sched.cluster, slots, mma_tidx, epi.bar)
                 if whole:
@@ -447,7 +446,7 @@ class Sm90GemmKernel:
         store_pipe.producer_tail()
 
     @cute.jit
-    def _reduce_partials(self, scratch: "_SplitKScratch", acc, tile_id, lo, hi, me, slots, mma_tidx, bar) -> Boolean:
+    def _reduce_partials(self, scratch: PartialScratch, acc, tile_id, lo, hi, me, slots, mma_tidx, bar) -> Boolean:
         """Fixup of one tile shared by contributors lo .. hi-1 (K slices, or
         stream-K clusters), this CTA being `me`: whether `acc` now holds the
         whole sum. `slots(i)` is contributor i's partial slot.
@@ -462,18 +461,8 @@ class Sm90GemmKernel:
         own = scratch.partial(slots(me), values, self.mma_threads)
         for i in cutlass.range_constexpr(values):
             own[i, mma_tidx] = acc[i]
-        # The partial is visible device-wide before the arrival that counts it.
-        cute.arch.fence_acq_rel_gpu()
-        bar.arrive_and_wait()
-        if mma_tidx == 0:
-            earlier = cute.arch.atomic_add(scratch.semaphore(tile_id), Int32(1), sem="acq_rel", scope="gpu")
-            scratch.arrivals[0] = earlier
-            if earlier == count - 1:
-                scratch.sems[tile_id] = Int32(0)
-        bar.arrive_and_wait()
-        last = scratch.arrivals[0] == count - 1
+        last = scratch.arrive(tile_id, count, mma_tidx, bar)
         if last:
-            cute.arch.fence_acq_rel_gpu()
             for c in cutlass.range(lo, hi):
                 if c != me:
                     other = scratch.partial(slots(c), values, self.mma_threads)
@@ -667,64 +656,3 @@ class Sm90GemmKernel:
 
 class _Epilogue:
     """Per-thread epilogue state built once by `Sm90GemmKernel._epilogue`."""
-
-
-class _SplitKScratch:
-    """The split-K views of the kernel's int32 scratch (see `kernels.space.split_k_scratch_words`)."""
-
-    def __init__(self, sems: cute.Tensor, partials: cute.Pointer, arrivals: cute.Tensor, tiles_n: Int32):
-        self.sems = sems
-        self.partials = partials
-        self.arrivals = arrivals
-        self.tiles_n = tiles_n
-
-    @staticmethod
-    def create(buf: cute.Tensor, arrivals: cute.Tensor, grid: TileGrid, cluster_mn: tuple[int, int]):
-        tiles_n = grid.clusters_n * cluster_mn[1]
-        tiles = grid.clusters_m * cluster_mn[0] * tiles_n
-        sems = cute.make_tensor(buf.iterator + SPLIT_K_COUNTERS, cute.make_layout(tiles))
-        partials = cute.recast_ptr(buf.iterator + split_k_partials_offset(tiles), dtype=cutlass.Float32)
-        return _SplitKScratch(sems, partials, arrivals, tiles_n)
-
-    # Carried through the consumers' tile loop like any DSL value.
-    def __extract_mlir_values__(self) -> list:
-        return cutlass.extract_mlir_values([self.sems, self.partials, self.arrivals, self.tiles_n])
-
-    def __new_from_mlir_values__(self, values: list) -> "_SplitKScratch":
-        return _SplitKScratch(*cutlass.new_from_mlir_values([self.sems, self.partials, self.arrivals, self.tiles_n], values))
-
-    def tile_id(self, m, n) -> Int32:
-        return m * self.tiles_n + n
-
-    def semaphore(self, tile_id) -> cute.Pointer:
-        return self.sems.iterator + tile_id
-
-    def partial(self, slot, values: int, threads: int) -> cute.Tensor:
-        """(value, thread) fp32 partial tile in slot `slot` (see `_SliceSlots`, `_UnitSlots`)."""
-        start = Int64(slot) * (values * threads)
-        return cute.make_tensor(self.partials + start, cute.make_layout((values, threads), stride=(threads, 1)))
-
-
-class _SliceSlots:
-    """Split-K: K slice l of CTA tile `tile_id` parks in slot tile_id * S + l."""
-
-    def __init__(self, tile_id, split_k: int):
-        self.tile_id = tile_id
-        self.split_k = split_k
-
-    def __call__(self, l):
-        return Int64(self.tile_id) * self.split_k + l
-
-
-class _UnitSlots:
-    """Stream-K: the unit of cluster c in a stream-K tile parks in c's slot
-    for that tile (`StreamKScheduler.slot`), one per CTA of the cluster."""
-
-    def __init__(self, sched, unit_tile, cluster_mn: tuple[int, int]):
-        self.sched = sched
-        self.unit_tile = unit_tile
-        self.cluster_size = cluster_mn[0] * cluster_mn[1]
-        self.rank = sched.rank_mn[0] + sched.rank_mn[1] * cluster_mn[0]
-
-    def __call__(self, cluster):
-        return Int64(self.sched.slot(cluster, self.unit_tile)) * self.cluster_size + self.rank
