@@ -322,3 +322,68 @@ def test_narrow_epilogue_subtiles_cost_more():
     narrow = predict_ms(key, GemmConfig(tile_m=128, tile_n=176, stages=4))
     # 176 columns in 11 sub-tiles of 16 against 192 in 6 of 32: more per output column.
     assert narrow / 176 > wide / 192
+
+
+@pytest.mark.parametrize("k", [4096, 21504])
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_stream_k_spreads_a_partial_wave_over_every_sm(k, tile_n):
+    # Gemma 3 27B o at M = 512: 128x128 tiles make 168 = 1.27 waves of 132,
+    # 128x256 ones 84 tiles that leave 48 SMs idle; static runs two waves
+    # (one), stream-K every SM for the same share of the k-blocks.
+    p = Problem(512, 5376, k)
+    static = sm90("static_persistent", tile_n=tile_n)
+    tiles = 4 * 5376 // tile_n
+    t_static = predict_ms(p, static, H100)
+    t_sk = predict_ms(p, replace(static, scheduler="stream_k"), H100)
+    assert t_sk < 0.85 * t_static
+    # The partials' fixup costs something: no better than perfect balance.
+    assert t_sk > t_static * tiles / (132 * -(-tiles // 132))
+
+
+@pytest.mark.parametrize("shape, tile_n", [
+    ((128 * 33, 128 * 4, 4096), 128),     # one whole wave
+    ((128 * 33, 256 * 4, 4096), 256),
+    ((128 * 22, 128 * 12, 8192), 128),    # two
+    ((512, 8192, 5376), 128),             # 256 tiles: 1.94 waves
+])
+def test_stream_k_gains_nothing_where_the_waves_are_whole(shape, tile_n):
+    p = Problem(*shape)
+    static = sm90("static_persistent", tile_n=tile_n)
+    t_static = predict_ms(p, static, H100)
+    t_sk = predict_ms(p, replace(static, scheduler="stream_k"), H100)
+    assert t_static <= t_sk < 1.05 * t_static
+
+
+def test_stream_k_splits_the_partial_wave_as_the_kernel_does():
+    from tuner.model import SK_MIN_K_TILES, _stream_k_tiles
+
+    schedulers = pytest.importorskip("kernels.schedulers")
+    assert SK_MIN_K_TILES == schedulers.SK_MIN_K_TILES
+    assert _stream_k_tiles(168, 64, 132) == 36          # the partial wave
+    assert _stream_k_tiles(140, 4, 132) == 140          # 8 x 4 k-blocks: a wave more
+    assert _stream_k_tiles(264, 64, 132) == 0           # whole waves: data-parallel
+    assert _stream_k_tiles(84, 64, 132) == 84           # fewer tiles than clusters
+
+
+def test_stream_k_predictions_are_finite_and_positive():
+    shapes = [Problem(1, 4096, 64), Problem(8, 128, 65536), Problem(128, 5376, 21504),
+              Problem(2048, 43008, 5376), Problem(4096, 4096, 4096, carveout=20), Problem(100, 1000, 1000)]
+    cfgs = [
+        sm90("stream_k", tile_m=tile_m, tile_n=tile_n, stages=stages, cluster_m=cluster_m, cluster_n=cluster_n)
+        for tile_m, tile_n, stages in [(64, 128, 8), (128, 128, 6), (128, 256, 4), (64, 256, 5), (128, 96, 6)]
+        for cluster_m, cluster_n in [(1, 1), (2, 1), (1, 2), (2, 2)]
+    ]
+    # sm100 stream-K, where the pool has it.
+    sm100_fields = [sm100("static_persistent", tile_m=128, tile_n=n, cluster_m=1, cta_group=1).to_dict()
+                    | {"scheduler": "stream_k"} for n in (128, 256)]
+    cfgs += [GemmConfig(**f) for f in sm100_fields if space.is_valid(f)]
+    checked = 0
+    for cfg in cfgs:
+        for p in shapes:
+            try:
+                ms = predict_ms(p, cfg)
+            except InvalidConfig:
+                continue
+            assert np.isfinite(ms) and ms > 0, (cfg.name(), p.label())
+            checked += 1
+    assert checked > 80

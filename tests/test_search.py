@@ -1,5 +1,7 @@
 """The Optuna search: model-guided warm start, ahead-of-time compiles, winners against the baseline."""
 
+from dataclasses import replace
+
 from kernels import space
 from kernels.space import GemmConfig
 from db.store import Store
@@ -89,22 +91,44 @@ def test_first_picks_of_27b_o_at_512_try_the_wave_filling_width():
     # of 132 SMs idle), 112 (128x192) or 168 (128x128: 1.27 waves); 128x176
     # gives 4 x 31 = 124. The H100 measured this key at 35.1 us with 128x192
     # and 42.9 us with 128x176 (an odd multiple of 16 columns costs more per
-    # wgmma, `wgmma_n16_clk`): 128x192 comes first, the wave-filling width
-    # right after it.
+    # wgmma, `wgmma_n16_clk`): of the tiles walked whole, 128x192 comes first,
+    # the wave-filling width right after it. Stream-K (not yet measured)
+    # spreads the partial wave of a wide tile over every SM instead, which
+    # the uncalibrated model puts level with 128x192.
     key = Key("sm90", "dev", Problem(512, 5376, 4096))
     picks = model_picks(key)
-    first = picks[0]
-    assert (first.tile_m, first.tile_n) == (128, 192)
-    assert any(c.tile_n % 32 and 120 <= _tiles_at(key, c) <= 132 for c in picks[:3])
-    assert any(c.tile_n % 32 or c.tile_m == 192 for c in picks[:3])
+    walked = [c for c in picks if not c.stream_k]
+    first = walked[0]
+    assert (first.tile_m, first.tile_n) == (128, 192) and first in picks[:2]
+    assert any(c.tile_n % 32 and 120 <= _tiles_at(key, c) <= 132 for c in walked[:3])
+    assert any(c.tile_n % 32 or c.tile_m == 192 for c in walked[:3])
+
+
+def test_picks_try_stream_k_where_the_best_tiles_leave_a_partial_wave():
+    from tuner.model import predict_ms
+
+    # 27B o at M = 512: the wide tiles the model ranks best make 84 (128x256)
+    # or 96 (128x224) tiles on 132 SMs; stream-K gives every SM a share.
+    partial = Key("sm90", "dev", Problem(512, 5376, 4096))
+    picks = model_picks(partial)
+    assert any(c.stream_k for c in picks[:2])
+    # Over whole waves stream-K deals the tiles as static does (the same
+    # time): it is picked only where it is predicted to gain.
+    whole = Key("sm90", "dev", Problem(128 * 33, 256 * 4, 4096))
+    for key in (partial, whole):
+        for cfg in model_picks(key):
+            if cfg.stream_k:
+                assert predict_ms(key, cfg) < predict_ms(key, replace(cfg, scheduler="static_persistent"))
 
 
 def test_picks_take_pingpong_where_ctas_have_tiles_to_overlap():
     # 27B o at M = 1024: 128x112 pingpong tiles give 8 x 48 = 384 tiles, about
     # three per SM, each epilogue under another tile's mainloop; at M = 8192
     # the big cooperative tiles' operand reuse wins.
+    # (Stream-K, spreading the 1.45 waves of 128x224 tiles over every SM,
+    # the model puts a little ahead of the tiles walked whole.)
     mid = model_picks(Key("sm90", "dev", Problem(1024, 5376, 5376)))
-    assert mid[0].pingpong and any(not c.pingpong for c in mid)
+    assert next(c for c in mid if not c.stream_k).pingpong and any(not c.pingpong for c in mid)
     assert not model_picks(Key("sm90", "dev", Problem(8192, 5376, 5376)))[0].pingpong
     # sm100 overlaps epilogues with TMEM accumulator stages instead.
     assert not any(c.pingpong for c in model_picks(Key("sm100", "dev", Problem(1024, 5376, 5376))))
@@ -117,8 +141,11 @@ def test_pingpong_samples_draw_only_pingpong_tiles_and_never_split_k():
 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     drawn = [_suggest(study.ask(), "sm90") for _ in range(300)]
-    pingpong = [f for f in drawn if f["consumer"] == "pingpong"]
+    pingpong = [f for f in drawn if f.get("consumer") == "pingpong"]
     assert 100 < len(pingpong) < 200 and all("split_k" not in f for f in pingpong)
+    # Stream-K keeps cooperative consumers and splits K itself: it draws neither.
+    stream_k = [f for f in drawn if f["scheduler"] == "stream_k"]
+    assert stream_k and all("consumer" not in f and "split_k" not in f for f in stream_k)
     # At the shallowest pipeline every pingpong sample is a config: none is
     # pruned for a tile or a split it cannot have.
     assert all(space.is_valid({**f, "stages": 2}) for f in pingpong)

@@ -546,7 +546,9 @@ def _print_calibration(cal) -> None:
     console.print(constants)
 
 
-_SCHEDULER_SHORT = {"single_tile": "single", "static_persistent": "static", "dynamic_persistent": "dynamic"}
+_SCHEDULER_SHORT = {
+    "single_tile": "single", "static_persistent": "static", "dynamic_persistent": "dynamic", "stream_k": "streamk",
+}
 
 
 def short_config(config_name: str) -> str:

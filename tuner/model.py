@@ -32,7 +32,12 @@ A prediction has three layers:
    paying a CTA start and an unhidden epilogue. Uniform-cost runs of tiles
    are assigned in closed form (exact for greedy earliest-free assignment);
    only claims made ahead of time (`sched_depth` > 1, seed 000's warning) on
-   few-wave problems need the tile-by-tile event simulation.
+   few-wave problems need the tile-by-tile event simulation. Stream-K splits
+   the k-blocks of the tiles a static walk would leave in a partial wave
+   evenly over the workers (each cluster's range first, then its data-
+   parallel tiles as static persistent deals them); the clusters that share
+   a tile each park an fp32 partial and arrive on a semaphore, and the last
+   to arrive reads the others' partials and stores the tile.
 3. The launch: kernel launch overhead, SMs held by another kernel
    (`Problem.carveout`, seed 003), phantom clusters of a worst-case padded
    CLC or single-tile grid (seed 002) with or without tail cancellation, and
@@ -130,6 +135,11 @@ class DeviceModel:
     # producer has prefetched the next tile, but the register/TMEM -> smem
     # copy is not hidden.
     epilogue_exposed: float = 0.5
+    # Stream-K fixup of a shared tile, per contributing CTA: the fence that
+    # makes its partial visible, the acq_rel atomic on the tile's semaphore
+    # and the consumers' barrier around it. An unfitted guess: no stream-K
+    # trial has been measured, so it is not in CALIBRATION_BOUNDS.
+    semaphore_us: float = 1.0
     # (cluster size, clusters that run at once) where measured: a cluster
     # lives in one GPC, so this can be below sms // size, the fallback.
     max_clusters: tuple[tuple[int, int], ...] = ()
@@ -206,6 +216,11 @@ CALIBRATION_BOUNDS = {
 }
 # Per-tile cost of the static scheduler's index arithmetic.
 STATIC_NEXT_US = 0.02
+# Fewest k-blocks a stream-K unit is given (kernels.schedulers.SK_MIN_K_TILES,
+# not imported: that module needs the CUTLASS DSL, the model does not).
+SK_MIN_K_TILES = 8
+# Bytes of one fp32 accumulator, as stream-K's partial tiles hold it.
+ACC_BYTES = 4
 # Per sm90 epilogue sub-tile: two named barriers of the consumer warpgroups
 # and a TMA store issue (an estimate, ~100 clocks): 16-column sub-tiles of a
 # width 32 does not divide cost twice as many.
@@ -466,8 +481,14 @@ def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Pla
     tiles_n = _cdiv(p.n, cn)
     counts = [_cdiv(m, cm) * tiles_n * cfg.split_k for m, _ in shapes]
     tiles = sum(counts)
+    if cfg.stream_k:
+        # The grid fills the device even with fewer tiles than clusters, as
+        # long as every cluster keeps SK_MIN_K_TILES k-blocks
+        # (`SchedulerSpec.grid_shape`); all of its clusters load at once.
+        workers = min(workers, max(tiles, tiles * _cdiv(p.k, TILE_K) // SK_MIN_K_TILES))
+        free_workers = min(free_workers, workers)
     concurrent = min(free_workers, tiles)
-    active_sms = max(1, concurrent) * cs
+    active_sms = max(1, free_workers if cfg.stream_k else concurrent) * cs
     segments = []
     for (m, k), count in zip(shapes, counts, strict=True):
         if count:
@@ -521,7 +542,7 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     rows, cols = min(cm, m), min(cn, p.n)
     l2_per_sm = (rows + cols) * TILE_K * e / cs
     sm_bw = dev.sm_load_bytes_per_clk * dev.clock_hz
-    t_l2 = l2_per_sm / min(sm_bw, dev.l2_bw / active_sms) * 1e6
+    t_l2 = l2_per_sm / _sm_l2_bw(dev, active_sms) * 1e6
     hbm_share = dev.hbm_bw * dev.hbm_efficiency / active_sms
     ratio = _hbm_ratio(p, cfg, dev, m, k, concurrent)
     # The compute path of a tile: MMA issue or the SM's share of L2.
@@ -555,6 +576,11 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     # the MMA consumes it: a depth-1 claim made then is answered meanwhile.
     lead = min(kblocks, cfg.stages - 1) * max(terms[bound], dev.load_latency_us / (cfg.stages - 1))
     return _Segment(count, mainloop, epilogue, lead, bound, waits, hbm_bytes + c_bytes)
+
+
+def _sm_l2_bw(dev: DeviceModel, active_sms: int) -> float:
+    """L2 bandwidth one SM gets while `active_sms` SMs move data (bytes/s)."""
+    return min(dev.sm_load_bytes_per_clk * dev.clock_hz, dev.l2_bw / active_sms)
 
 
 def _hbm_ratio(p, cfg, dev, m, k, concurrent) -> float:
@@ -605,6 +631,8 @@ def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tup
         end = float(free.max())
     elif cfg.scheduler == "static_persistent":
         end, finish = _static(plan, cfg, dev, start, ideal)
+    elif cfg.stream_k:
+        end, finish = _stream_k(plan, p, cfg, dev, start, ideal)
     else:
         lat = dev.clc_claim_us if cfg.scheduler == "clc" else dev.atomic_claim_us
         # An atomic worker claims its first tile too; CLC's first is blockIdx.
@@ -653,25 +681,106 @@ def _workers(free_n: int, late_n: int, start: float, late: float) -> np.ndarray:
 
 def _static(plan: _Plan, cfg: GemmConfig, dev: DeviceModel, start: float, ideal: float):
     """Tile i to worker i mod W, W = clusters the whole GPU holds."""
-    w = plan.workers
+    return _ends(plan, _dealt(plan.segments, plan.workers, cfg, dev), start, ideal)
+
+
+def _dealt(segments, w: int, cfg: GemmConfig, dev: DeviceModel) -> np.ndarray:
+    """Busy time of each of `w` workers dealt the tiles of `segments` in
+    turn (tile i to worker i mod w), the last tile's epilogue included."""
     ids = np.arange(w)
     busy = np.zeros(w)
     first = 0
-    for s in plan.segments:
+    for s in segments:
         last = first + s.tiles
         count = _strided(last, ids, w) - _strided(first, ids, w)
         busy += count * (s.mainloop + _exposed_epilogue(cfg, s, dev) + STATIC_NEXT_US)
         first = last
-    last_seg = plan.segments[-1]
+    last_seg = segments[-1]
     busy += np.where(busy > 0, last_seg.epilogue - _exposed_epilogue(cfg, last_seg, dev), 0.0)
+    return busy
+
+
+def _ends(plan: _Plan, busy: np.ndarray, start: float, ideal: float):
+    """(makespan, end of each worker) of a grid sized for every worker."""
     resident = plan.free_workers
     ends = start + busy
-    if resident < w:
+    if resident < plan.workers:
         # CTAs beyond the free SMs launch when an SM frees: the other kernel
         # ends or a resident CTA exits.
         late = min(ideal, float(ends[:resident].min())) + start
         ends[resident:] = late + busy[resident:]
     return float(ends.max()), ends
+
+
+def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start: float, ideal: float):
+    """Stream-K (`kernels.schedulers.StreamKScheduler`): the k-blocks of the
+    first `sk` tiles split as evenly as integers allow over the W workers,
+    worker c's range [lo, hi) first, then its data-parallel tiles sk + c,
+    sk + c + W, ... as `_static` deals them.
+
+    A range covers whole tiles (each stored as a static tile is) and, at
+    either end, part of a tile it shares with its neighbours: every
+    contributor parks its fp32 partial and arrives on the tile's semaphore.
+    The tile's first contributor (its range ends inside the tile) is taken
+    to arrive last: the last contributor began its range there, any between
+    end theirs about together with it. It reads the others' partials and
+    stores the tile. Partials are not counted as DRAM traffic: they are read
+    back soon after they are written, from a scratch of two CTA tiles per
+    CTA of the grid, which L2 holds.
+    """
+    kblocks = _cdiv(p.k, TILE_K)
+    w = plan.workers
+    sk = _stream_k_tiles(plan.tiles, kblocks, w)
+    (s,) = plan.segments  # stream-K is never grouped
+    dp = _dealt((replace(s, tiles=plan.tiles - sk),), w, cfg, dev)
+    if not sk:
+        return _ends(plan, dp, start, ideal)
+    ids = np.arange(w)
+    # base >= 1: the grid is never larger than the stream-K k-blocks.
+    base, extra = divmod(sk * kblocks, w)
+    lo = ids * base + np.minimum(ids, extra)
+    hi = lo + base + (ids < extra)
+    first_tile, last_tile = lo // kblocks, (hi - 1) // kblocks
+    units = last_tile - first_tile + 1
+    head = lo % kblocks != 0    # the first unit ends a tile an earlier range began
+    tail = hi % kblocks != 0    # the last unit begins a tile a later range ends
+    inside = head & tail & (units == 1)  # one unit in the middle of a tile
+    shared = head.astype(int) + tail - inside
+    reduces = tail & ~inside
+    # The reducer's tile runs to k-block tile_end, in the range of its last contributor.
+    tile_end = (last_tile + 1) * kblocks - 1
+    wide = extra * (base + 1)
+    owner = np.where(tile_end < wide, tile_end // (base + 1), extra + (tile_end - wide) // base)
+    # Every worker parks its partials, about together; only the reducers
+    # read them back. A CTA moves its own CTA tile's share.
+    partial = cfg.cta_tile_m * cfg.tile_n * ACC_BYTES
+    write = partial / _sm_l2_bw(dev, plan.free_workers * cfg.cluster_size) * 1e6
+    read = partial / _sm_l2_bw(dev, max(1, int(reduces.sum())) * cfg.cluster_size) * 1e6
+    exposed = _exposed_epilogue(cfg, s, dev)
+    busy = (
+        (hi - lo) * (s.mainloop / kblocks) + units * STATIC_NEXT_US
+        + (units - shared) * exposed
+        + shared * (write + dev.semaphore_us)
+        + reduces * ((owner - ids) * read + exposed)
+    )
+    # A worker's last store drains after its loop: its last data-parallel
+    # tile's (in `dp`), else that of its range's last unit, if that stored.
+    stored_last = ~tail | reduces
+    busy += np.where(dp > 0, dp, stored_last * (s.epilogue - exposed))
+    return _ends(plan, busy, start, ideal)
+
+
+def _stream_k_tiles(tiles: int, kblocks: int, workers: int) -> int:
+    """Tiles whose k-blocks stream-K splits over its `workers`: every tile
+    when there are fewer than workers, none in whole waves, else the partial
+    wave's, with one full wave more where the partial wave alone would give
+    units under SK_MIN_K_TILES."""
+    waves, rest = divmod(tiles, workers)
+    if waves == 0:
+        return tiles
+    if rest == 0:
+        return 0
+    return rest + workers if rest * kblocks < workers * SK_MIN_K_TILES else rest
 
 
 def _strided(x: int, ids: np.ndarray, w: int) -> np.ndarray:

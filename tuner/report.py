@@ -25,7 +25,7 @@ from tuner.plots import plot_family
 ROWS_PER_FIGURE = 60
 _SCHEDULER_MARKS = {"cublas": ("k", "s"), "single_tile": ("tab:orange", "v"),
                     "static_persistent": ("tab:blue", "o"), "dynamic_persistent": ("tab:green", "D"),
-                    "clc": ("tab:red", "^")}
+                    "stream_k": ("tab:purple", "P"), "clc": ("tab:red", "^")}
 
 
 def write_report(store, maps: list, out: Path) -> Path:

@@ -197,7 +197,7 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
     if ranked:
         top = GemmConfig.from_dict(ranked[0].config)
-        variants = [v for v in _scheduler_variants(top) if v.name() not in measured]
+        variants = [v for v in _scheduler_variants(top) if v.name() not in measured and key.problem.runs(v)]
         compile_ahead(backend, variants)
         for variant in variants:
             measure(variant)
@@ -248,20 +248,23 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
     combination the space offers): fewer parameters make each trial cheaper
     to sample and store. Pingpong consumers draw their tile from the tiles
     one warpgroup holds ("pingpong_tile") and never split K, so that a
-    pingpong sample is not pruned for a tile or a split it cannot have.
+    pingpong sample is not pruned for a tile or a split it cannot have;
+    stream-K, which splits K itself and reduces the shared tiles in the
+    cooperative consumers' registers, draws neither a consumer nor a split.
     """
     knobs = space.knobs(arch)
     choices_ = _choices(arch)
     fields = {"arch": arch}
     sched = fields["scheduler"] = trial.suggest_categorical("scheduler", knobs["scheduler"])
     pingpong = False
-    if "consumer" in choices_:
+    stream_k = sched == "stream_k"
+    if "consumer" in choices_ and not stream_k:
         fields["consumer"] = trial.suggest_categorical("consumer", choices_["consumer"])
         pingpong = fields["consumer"] == "pingpong"
     for name, choices in choices_.items():
         if name == "consumer" or name == ("tile" if pingpong else _PINGPONG_TILE):
             continue
-        if name == "split_k" and pingpong:
+        if name == "split_k" and (pingpong or stream_k):
             continue
         if name == "sched_depth" and sched not in ("dynamic_persistent", "clc"):
             continue
@@ -400,7 +403,11 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     Every shape is ranked first (static persistent, the smallest cluster: the
     model's wave quantization, edge-tile waste and, for pingpong consumers,
     epilogue overlap decide), then every scheduler and cluster of the
-    MODEL_SHORTLIST best.
+    MODEL_SHORTLIST best. A shortlisted shape whose tiles leave a partial
+    last wave is picked under stream-K where the model has stream-K spread
+    that wave over every SM faster; the shapes themselves stay ranked by the
+    static walk, which measurements have checked, so that an unmeasured
+    scheduler cannot crowd the picks with its shapes.
     """
     knobs = space.knobs(key.arch)
     shapes = [
@@ -467,7 +474,9 @@ def _seed(text: str) -> int:
 
 def _env_tag(backend: str, versions: dict[str, str], arch: str) -> str:
     # The sampled space is part of a study: Optuna refuses a parameter whose
-    # choices changed, so a pool that grew starts new studies (the trials
-    # measured before stay in our trial table and are not timed again).
-    text = backend + repr(sorted(versions.items())) + repr(sorted(_choices(arch).items()))
+    # choices changed (the scheduler's among them), so a pool that grew
+    # starts new studies (the trials measured before stay in our trial table
+    # and are not timed again).
+    text = (backend + repr(sorted(versions.items())) + repr(space.knobs(arch)["scheduler"])
+            + repr(sorted(_choices(arch).items())))
     return hashlib.sha256(text.encode()).hexdigest()[:10]
