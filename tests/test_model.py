@@ -324,34 +324,47 @@ def test_narrow_epilogue_subtiles_cost_more():
     assert narrow / 176 > wide / 192
 
 
-@pytest.mark.parametrize("k", [4096, 21504])
 @pytest.mark.parametrize("tile_n", [128, 256])
-def test_stream_k_spreads_a_partial_wave_over_every_sm(k, tile_n):
-    # Gemma 3 27B o at M = 512: 128x128 tiles make 168 = 1.27 waves of 132,
-    # 128x256 ones 84 tiles that leave 48 SMs idle; static runs two waves
-    # (one), stream-K every SM for the same share of the k-blocks.
-    p = Problem(512, 5376, k)
+def test_stream_k_spreads_one_tile_row_over_every_sm(tile_n):
+    # Gemma 3 27B down at M = 128: 42 or 21 tiles of one row leave most SMs
+    # idle; stream-K gives every SM the same share of the k-blocks (measured
+    # on the H100, 128x256: 0.122 ms against 0.197 ms static).
+    p = Problem(128, 5376, 21504)
     static = sm90("static_persistent", tile_n=tile_n)
-    tiles = 4 * 5376 // tile_n
+    tiles = 5376 // tile_n
     t_static = predict_ms(p, static, H100)
     t_sk = predict_ms(p, replace(static, scheduler="stream_k"), H100)
     assert t_sk < 0.85 * t_static
     # The partials' fixup costs something: no better than perfect balance.
-    assert t_sk > t_static * tiles / (132 * -(-tiles // 132))
+    assert t_sk > t_static * tiles / 132
 
 
-@pytest.mark.parametrize("shape, tile_n", [
-    ((128 * 33, 128 * 4, 4096), 128),     # one whole wave
-    ((128 * 33, 256 * 4, 4096), 256),
-    ((128 * 22, 128 * 12, 8192), 128),    # two
-    ((512, 8192, 5376), 128),             # 256 tiles: 1.94 waves
+def test_stream_k_units_lose_l2_reuse_of_shared_panels():
+    # 27B down at M = 512, 128x192: four tile rows share every B panel (231
+    # MB, far over L2); units at staggered k-blocks each stream it from DRAM.
+    # Measured on the H100: 0.488 ms stream-K against 0.178 ms static.
+    p = Problem(512, 5376, 21504)
+    static = sm90("static_persistent", tile_n=192)
+    assert predict_ms(p, replace(static, scheduler="stream_k"), H100) > 1.3 * predict_ms(p, static, H100)
+
+
+@pytest.mark.parametrize("shape, tile_n, most", [
+    ((128 * 33, 128 * 4, 4096), 128, 1.05),     # one whole wave
+    ((128 * 33, 256 * 4, 4096), 256, 1.05),
+    ((128 * 22, 128 * 12, 8192), 128, 1.05),    # two
+    # 256 tiles (1.94 waves) whose B panels four tile rows share: measured
+    # on the H100 (27B qkv at M = 512), 128x128 stream-K 0.116 ms against
+    # 0.099 ms for the same tile with K split in two.
+    ((512, 8192, 5376), 128, None),
 ])
-def test_stream_k_gains_nothing_where_the_waves_are_whole(shape, tile_n):
+def test_stream_k_gains_nothing_where_the_waves_are_whole(shape, tile_n, most):
     p = Problem(*shape)
     static = sm90("static_persistent", tile_n=tile_n)
     t_static = predict_ms(p, static, H100)
     t_sk = predict_ms(p, replace(static, scheduler="stream_k"), H100)
-    assert t_static <= t_sk < 1.05 * t_static
+    assert t_static <= t_sk
+    if most:
+        assert t_sk < most * t_static
 
 
 def test_stream_k_splits_the_partial_wave_as_the_kernel_does():

@@ -758,7 +758,7 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
     read = partial / _sm_l2_bw(dev, max(1, int(reduces.sum())) * cfg.cluster_size) * 1e6
     exposed = _exposed_epilogue(cfg, s, dev)
     busy = (
-        (hi - lo) * (s.mainloop / kblocks) + units * STATIC_NEXT_US
+        (hi - lo) * _unit_kblock_us(p, cfg, dev, plan, s.mainloop / kblocks) + units * STATIC_NEXT_US
         + (units - shared) * exposed
         + shared * (write + dev.semaphore_us)
         + reduces * ((owner - ids) * read + exposed)
@@ -768,6 +768,31 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
     stored_last = ~tail | reduces
     busy += np.where(dp > 0, dp, stored_last * (s.epilogue - exposed))
     return _ends(plan, busy, start, ideal)
+
+
+def _unit_kblock_us(p: Problem, cfg: GemmConfig, dev: DeviceModel, plan: _Plan, kblock_us: float) -> float:
+    """Time of one k-block of a stream-K unit.
+
+    Ranges start at staggered k-blocks, so the tiles that share an operand
+    panel no longer read it at about the same time: an operand that L2 does
+    not hold whole is streamed from DRAM by every unit that reads it.
+    Measured on the H100 (`bench.sm90_variants`): 27B down at M = 512 with
+    128x192 tiles, every tile in units, 0.49 ms against 0.18 ms
+    data-parallel; at M = 128 (one tile row, B shared by nobody) units cost
+    no more than whole tiles.
+    """
+    e = DTYPE_BYTES[p.dtype_in]
+    l2 = L2_RESIDENT_SHARE * dev.l2_bytes
+    (cm, cn), m, n = cfg.cluster_tile, p.m, p.n
+    rows, cols = min(cm, m), min(cn, n)
+    # An A panel is shared by the tiles of its row, a B panel by those of its column.
+    a_lost = _cdiv(n, cn) > 1 and m * p.k * e > l2
+    b_lost = _cdiv(m, cm) > 1 and n * p.k * e > l2
+    if not (a_lost or b_lost):
+        return kblock_us
+    streamed = rows * a_lost + cols * b_lost
+    dram_us = plan.free_workers * streamed * TILE_K * e / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
+    return max(kblock_us, dram_us)
 
 
 def _stream_k_tiles(tiles: int, kblocks: int, workers: int) -> int:
