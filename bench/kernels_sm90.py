@@ -99,7 +99,8 @@ CAPABILITIES = {
 
 def _capabilities(backend, key: Key, trials_) -> dict:
     """Per capability, the best measured config with it and without it, all
-    re-measured in one interleaved run; and the best trial per consumer mode."""
+    re-measured in one interleaved run (pingpong's pair is also the best
+    time of each consumer mode)."""
     from kernels.space import GemmConfig
 
     ranked = sorted((t for t in trials_ if t.ok and t.config), key=lambda t: t.ms)
@@ -109,9 +110,7 @@ def _capabilities(backend, key: Key, trials_) -> dict:
     present = {t.config_name: t for pair in sides.values() for t in pair.values() if t is not None}
     again = backend.remeasure(key, [GemmConfig.from_dict(t.config) for t in present.values()]) if present else []
     times = {name: m.ms for name, m in zip(present, again, strict=True) if m.ok}
-    out = {"best_by_consumer": {}}
-    for t in ranked:
-        out["best_by_consumer"].setdefault(_consumer(t.config), t.ms)
+    out = {}
     for cap, pair in sides.items():
         for with_, t in pair.items():
             label = f"{cap}_{'with' if with_ else 'without'}"
@@ -168,6 +167,11 @@ def gain(r: dict, cap: str) -> float | None:
     return without / with_ if without and with_ else None
 
 
+def best_by_consumer(r: dict) -> dict[str, float | None]:
+    """Best re-measured time of each consumer mode: pingpong's with/without pair."""
+    return {"cooperative": r.get("pingpong_without_ms"), "pingpong": r.get("pingpong_with_ms")}
+
+
 CONSUMERS = space.knobs(ARCH)["consumer"]
 
 
@@ -177,7 +181,7 @@ def markdown(records: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         by = r.get("best_by_scheduler") or {}
-        by_consumer = r.get("best_by_consumer") or {}
+        by_consumer = best_by_consumer(r)
         ratio = r["cublas_ms"] / r["best_ms"] if r.get("best_ms") else None
         gains = [gain(r, c) for c in CAPABILITIES]
         cells = [r["name"], r["M"], r["N"], r["K"], _fmt(r["cublas_ms"]), _fmt(r["best_ms"]),
