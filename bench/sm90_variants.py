@@ -33,7 +33,8 @@ SPLIT_K = tuple(
 )
 STREAM_K = tuple(
     GemmConfig(scheduler="stream_k", tile_m=tm, tile_n=tn, stages=st, swizzle=4, cluster_m=cm)
-    for tm, tn, st, cm in ((128, 128, 6, 1), (128, 192, 4, 1), (128, 256, 4, 1), (128, 256, 4, 2), (64, 256, 5, 1))
+    for tm, tn, st, cm in ((128, 128, 6, 1), (128, 192, 4, 1), (128, 256, 4, 1), (128, 256, 4, 2), (64, 256, 5, 1),
+                           (256, 128, 3, 2), (256, 96, 3, 2), (256, 128, 3, 1))
 )
 VARIANTS = (*WHOLE_K, *SPLIT_K, *STREAM_K)
 FAMILIES = ("whole-K", "split-K", "stream-K")

@@ -74,6 +74,7 @@ OFFLINE = [
     _v("nn", scheduler=SK, tile_m=64, tile_n=256, stages=5, cluster_n=2),
     _v(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=2, dtype_out="fp32"),
     _v("nn", scheduler=SK, tile_m=128, tile_n=192, cluster_m=2, cluster_n=2, raster="n", swizzle=2),
+    _v(scheduler=SK, tile_m=256, tile_n=128, stages=3, cluster_m=2, swizzle=4),
 ]
 
 
@@ -253,6 +254,7 @@ STREAM_K_CONFIGS = [
     GemmConfig(scheduler=SK, tile_m=64, tile_n=256, stages=5, cluster_n=2),
     GemmConfig(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=2, swizzle=2),
     GemmConfig(scheduler=SK, tile_n=192, cluster_m=2, cluster_n=2),
+    GemmConfig(scheduler=SK, tile_m=256, tile_n=128, stages=3, cluster_m=2, swizzle=4),
 ]
 STREAM_K_SHAPES = [
     (128, 5376, 4096), (512, 5376, 4096), (512, 5376, 21504), (1, 256, 4096), (300, 200, 136),
