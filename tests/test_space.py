@@ -24,13 +24,13 @@ def test_sm90_pool_size_and_scheduler_split():
     pingpong = [c for c in configs if c.pingpong]
     assert {c.tile_m for c in pingpong} == {64, 128} and {c.split_k for c in pingpong} == {1}
     assert max(c.tile_n for c in pingpong if c.tile_m == 128) == 128
-    # Stream-K: the static walk's cooperative tiles the fixup takes (up to 128
-    # rows, widths of whole 32-column sub-tiles), one K split (its own).
+    # Stream-K: the static walk's cooperative tiles the fixup takes (64, 128
+    # or 256 rows, widths of whole 32-column sub-tiles), one K split (its own).
     stream_k = [c for c in configs if c.stream_k]
     assert not any(c.pingpong for c in stream_k) and {c.split_k for c in stream_k} == {1}
-    assert max(c.tile_m for c in stream_k) == 128 and all(c.tile_n % 32 == 0 for c in stream_k)
+    assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
     assert len(configs) - len(pingpong) - len(stream_k) == 47528
-    assert len(pingpong) == 11024 and len(stream_k) == 2240
+    assert len(pingpong) == 11024 and len(stream_k) == 2464
 
 
 @pytest.mark.parametrize(
