@@ -37,12 +37,17 @@ def main() -> None:
     else:
         cfg = _cfg(args.scheduler, tile_m=128, tile_n=args.tile_n, cluster_m=args.cluster_m, cluster_n=args.cluster_n)
         launch = worker._pool_launch(cfg.to_dict(), p)
-    for _ in range(5):
-        launch(*ops.args)
+    profiled(launch, ops.args)
+
+
+def profiled(launch, args: tuple, warmup: int = 5, count: int = 2) -> None:
+    """`count` launches inside the profiler range, after `warmup` outside it."""
+    for _ in range(warmup):
+        launch(*args)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    for _ in range(2):
-        launch(*ops.args)
+    for _ in range(count):
+        launch(*args)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
