@@ -1,6 +1,6 @@
 """Time a fixed set of sm90 pool variants against cuBLAS on the Gemma 3 27B keys.
 
-    python -m bench.sm90_variants [--m 128,512,2048,8192] [--out FILE]
+    python -m bench.sm90_variants [--m 128,512,2048,8192] [--configs NAME,...] [--out FILE]
 
 No search: every key times the same hand-picked variants (whole-K tiles,
 in-kernel split-K and the stream-K scheduler on the same tiles), interleaved with cuBLAS through `GpuBackend.remeasure`
@@ -57,17 +57,17 @@ def _runs(cfg: GemmConfig, p: Problem) -> bool:
     return True
 
 
-def run(ms: list[int], out: Path) -> list[dict]:
+def run(ms: list[int], out: Path, variants: tuple[GemmConfig, ...] = VARIANTS) -> list[dict]:
     from kernels.compile import compile_many
     from tuner.gpu import GpuBackend
 
-    compile_many(list(VARIANTS), workers=16)
+    compile_many(list(variants), workers=16)
     records = []
     with GpuBackend(ARCH) as backend:
         for m in ms:
             for name, (n, k) in GEMMA3_27B.items():
                 p = Problem(m, n, k)
-                cfgs = [c for c in VARIANTS if _runs(c, p)]
+                cfgs = [c for c in variants if _runs(c, p)]
                 got = backend.remeasure(Key(ARCH, backend.device_name, p), [None, *cfgs])
                 times = {c.name(): g.ms for c, g in zip(cfgs, got[1:]) if g.ok}
                 errors = {c.name(): g.error for c, g in zip(cfgs, got[1:]) if not g.ok}
@@ -105,10 +105,13 @@ def markdown(records: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default=",".join(map(str, GEMMA3_M)), help="Comma-separated M values.")
+    parser.add_argument("--configs", default="",
+                        help="Comma-separated config names to time instead of the built-in variants.")
     parser.add_argument("--out", default="sm90-variants.json")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = parse_args()
-    run([int(m) for m in args.m.split(",")], Path(args.out))
+    chosen = tuple(GemmConfig.from_name(n) for n in args.configs.split(",") if n) or VARIANTS
+    run([int(m) for m in args.m.split(",")], Path(args.out), chosen)
