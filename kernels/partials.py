@@ -50,9 +50,6 @@ class PartialScratch:
     def tile_id(self, m, n) -> Int32:
         return m * self.tiles_n + n
 
-    def semaphore(self, tile_id) -> cute.Pointer:
-        return self.sems.iterator + tile_id
-
     def partial(self, slot, values: int, threads: int) -> cute.Tensor:
         """(value, thread) fp32 partial tile in slot `slot` (see `SliceSlots`,
         `UnitSlots`): thread-major, so that a warp's accesses coalesce."""
