@@ -6,18 +6,15 @@
 
 Arguments: M, N, K (bf16 in and out, B an nn.Linear weight) and a config
 name (`GemmConfig.name`) or ``cublas``. Two launches run inside the profiler
-range after five warm-up launches, on operands the tuner's worker makes.
+range after five warm-up launches (`bench.seed000_profile.profiled`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-
 from bench.seed000_profile import profiled
 from kernels.space import GemmConfig
-from tuner import _gpu_worker as worker
 from tuner.gpu import problem_to_json
 from tuner.key import Problem
 
@@ -29,15 +26,8 @@ def main() -> None:
     parser.add_argument("k", type=int)
     parser.add_argument("config", help="a config name, or cublas")
     args = parser.parse_args()
-    p = problem_to_json(Problem(args.m, args.n, args.k))
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(0)
-    ops = worker._make_operands(p, gen)
-    if args.config == "cublas":
-        launch = worker._baseline_launch(p)
-    else:
-        launch = worker._pool_launch(GemmConfig.from_name(args.config).to_dict(), p)
-    profiled(launch, ops.args)
+    cfg = None if args.config == "cublas" else GemmConfig.from_name(args.config)
+    profiled(problem_to_json(Problem(args.m, args.n, args.k)), cfg)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from bench.grouped import _cfg, seed000_problem
+from kernels.space import GemmConfig
 from tuner import _gpu_worker as worker
 from tuner.gpu import problem_to_json
 
@@ -28,20 +29,19 @@ def main() -> None:
     parser.add_argument("cluster_n", type=int)
     parser.add_argument("k", type=int, nargs="?", default=32768)
     args = parser.parse_args()
-    p = problem_to_json(seed000_problem(args.k))
+    cfg = None
+    if args.scheduler != "cublas":
+        cfg = _cfg(args.scheduler, tile_m=128, tile_n=args.tile_n, cluster_m=args.cluster_m, cluster_n=args.cluster_n)
+    profiled(problem_to_json(seed000_problem(args.k)), cfg)
+
+
+def profiled(p: dict, cfg: GemmConfig | None, warmup: int = 5, count: int = 2) -> None:
+    """`count` launches of `cfg` (None: cuBLAS) on problem `p` inside the
+    profiler range, after `warmup` outside it, on operands the tuner's worker makes."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    ops = worker._make_operands(p, gen)
-    if args.scheduler == "cublas":
-        launch = worker._baseline_launch(p)
-    else:
-        cfg = _cfg(args.scheduler, tile_m=128, tile_n=args.tile_n, cluster_m=args.cluster_m, cluster_n=args.cluster_n)
-        launch = worker._pool_launch(cfg.to_dict(), p)
-    profiled(launch, ops.args)
-
-
-def profiled(launch, args: tuple, warmup: int = 5, count: int = 2) -> None:
-    """`count` launches inside the profiler range, after `warmup` outside it."""
+    args = worker._make_operands(p, gen).args
+    launch = worker._baseline_launch(p) if cfg is None else worker._pool_launch(cfg.to_dict(), p)
     for _ in range(warmup):
         launch(*args)
     torch.cuda.synchronize()
