@@ -379,19 +379,19 @@ def validate(cfg: GemmConfig) -> None:
         raise InvalidConfig("swizzle groups tiles of a persistent walk; single_tile has none")
     if cfg.stream_k and cfg.split_k > 1:
         raise InvalidConfig("stream-K splits K itself: split_k must be 1")
-    # Both reduce partial tiles through the same fixup (sm90: in registers).
-    # Split-K is for small-M keys. sm90 stream-K also takes 256 rows (two
-    # warpgroups of 128: as many accumulators a thread as 128x256), so that a
-    # 2x1 cluster covers M = 512 and reads each B panel once: units at
-    # staggered k-blocks lose the L2 reuse of panels several tile rows share.
-    # Not 192 rows: three warpgroups hold 96 accumulators at most.
+    if cfg.split_k > 1 and cfg.tile_m > 128:
+        raise InvalidConfig("split-K is for small-M keys: tile_m must be 64 or 128")
+    # sm90 stream-K reduces in registers, as split-K does, and takes 256 rows
+    # too (two warpgroups of 128: as many accumulators a thread as 128x256),
+    # so that a 2x1 cluster covers M = 512 and reads each B panel once: units
+    # at staggered k-blocks lose the L2 reuse of panels several tile rows
+    # share. Not 192 rows: three warpgroups hold 96 accumulators at most.
     # sm100 stream-K reduces from TMEM one epilogue subtile at a time, each
     # CTA its own rows: its CTA tiles are never over 128 rows, and the pair
     # of a 2-CTA MMA splits a 256-row tile.
+    if cfg.stream_k and cfg.cta_tile_m == 192:
+        raise InvalidConfig("stream-K reduces tiles of 64, 128 or 256 rows, not 192")
     what = "stream-K" if cfg.stream_k else "split-K"
-    rows_ok = (64, 128, 256) if cfg.stream_k else (64, 128)
-    if cfg.reduces_partials and cfg.cta_tile_m not in rows_ok:
-        raise InvalidConfig(f"{what} reduces tiles of {' or '.join(map(str, rows_ok))} rows, not {cfg.tile_m}")
     # The sm90 fixup beside an epilogue of 16-column sub-tiles spills
     # (128x240, layout nn: 24 bytes of stack); it keeps 32-column ones.
     if cfg.arch == "sm90" and cfg.reduces_partials and cfg.tile_n % 32:
