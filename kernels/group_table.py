@@ -154,10 +154,4 @@ class GroupedTileScheduler(TileScheduler):
         g, local = table.locate(self._idx)
         sub = TileGrid(table.clusters_m_of(g), table.clusters_n, Int32(1))
         cl_m, cl_n, _ = decode_tile(local, sub, self.spec.swizzle, self.spec.raster_m)
-        cm, cn = self.spec.cluster_mn
-        tile = (
-            cute.arch.make_warp_uniform(cl_m * cm + self.rank_mn[0]),
-            cute.arch.make_warp_uniform(cl_n * cn + self.rank_mn[1]),
-            cute.arch.make_warp_uniform(g),
-        )
-        return WorkTile(tile, self._idx < table.count)
+        return WorkTile(self._cta_tile(cl_m, cl_n, g), self._idx < table.count)

@@ -204,6 +204,10 @@ class WorkTile:
             cutlass.new_from_mlir_values(self.is_valid, values[n:]),
         )
 
+    def k_range(self, k_tiles) -> tuple:
+        """(first k-block, k-blocks) this work covers of a tile's `k_tiles`: all of them."""
+        return Int32(0), k_tiles
+
 
 class ClaimRing:
     """Shared-memory ring carrying claimed work indices from the scheduler warp.
@@ -339,13 +343,16 @@ class TileScheduler:
 
     def _work(self) -> WorkTile:
         cl_m, cl_n, l = decode_tile(self._idx, self.grid, self.spec.swizzle, self.spec.raster_m)
+        return WorkTile(self._cta_tile(cl_m, cl_n, l), self._idx < self.grid.count)
+
+    def _cta_tile(self, cl_m, cl_n, l) -> tuple:
+        """This CTA's tile (m, n, l), warp-uniform, of cluster tile (cl_m, cl_n) in batch `l`."""
         cm, cn = self.spec.cluster_mn
-        tile = (
+        return (
             cute.arch.make_warp_uniform(cl_m * cm + self.rank_mn[0]),
             cute.arch.make_warp_uniform(cl_n * cn + self.rank_mn[1]),
             cute.arch.make_warp_uniform(l),
         )
-        return WorkTile(tile, self._idx < self.grid.count)
 
     def initial_work(self) -> WorkTile:
         return self._work()
@@ -444,7 +451,6 @@ class TileScheduler:
                         counter[1] = Int32(0)
 
 
-
 class StreamKWork(WorkTile):
     """A `WorkTile` that covers k-blocks [k_start, k_start + k_tiles) of its
     tile; `unit_tile` is the tile's index among the stream-K tiles, -1 for a
@@ -469,6 +475,9 @@ class StreamKWork(WorkTile):
         )
         return StreamKWork(base.tile, base.is_valid, k_start, k_tiles, unit_tile)
 
+    def k_range(self, k_tiles) -> tuple:
+        return self.k_start, self.k_tiles
+
 
 class StreamKScheduler(TileScheduler):
     """Stream-K over a persistent grid of P clusters (T tiles of KI k-blocks).
@@ -486,11 +495,10 @@ class StreamKScheduler(TileScheduler):
     of consecutive clusters: `contributors` and `slot` find them.
     """
 
-    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, sk, base, extra, it, end, idx):
+    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, base, extra, it, end, idx):
         super().__init__(spec, grid, num_clusters, rank_mn, idx, None, None)
         self.cluster = cluster
         self.k_tiles = k_tiles
-        self.sk = sk
         self.base = base
         self.extra = extra
         self._it = it
@@ -502,8 +510,8 @@ class StreamKScheduler(TileScheduler):
     def __new_from_mlir_values__(self, values: list) -> "StreamKScheduler":
         idx, it = cutlass.new_from_mlir_values([self._idx, self._it], values)
         return StreamKScheduler(
-            self.spec, self.grid, self.num_clusters, self.rank_mn, self.cluster, self.k_tiles, self.sk,
-            self.base, self.extra, it, self._end, idx,
+            self.spec, self.grid, self.num_clusters, self.rank_mn, self.cluster, self.k_tiles, self.base,
+            self.extra, it, self._end, idx,
         )
 
     @staticmethod
@@ -526,7 +534,7 @@ class StreamKScheduler(TileScheduler):
         base = iters // clusters
         extra = iters - base * clusters
         sched = StreamKScheduler(
-            spec, grid, clusters, rank_mn, cluster, k_tiles, sk, base, extra, Int32(0), Int32(0), sk + cluster
+            spec, grid, clusters, rank_mn, cluster, k_tiles, base, extra, Int32(0), Int32(0), sk + cluster
         )
         sched._it = sched.unit_start(cluster)
         sched._end = sched.unit_start(cluster + 1)
@@ -555,31 +563,27 @@ class StreamKScheduler(TileScheduler):
         later = self.unit_start(cluster) < unit_tile * self.k_tiles
         return 2 * cluster + Int32(cutlass.select_(later, 1, 0))
 
+    def _unit_end(self) -> Int32:
+        """Where the current unit ends: the end of its tile or of the range."""
+        return cutlass.min(self._end, (self._it // self.k_tiles + 1) * self.k_tiles)
+
     def _work(self) -> StreamKWork:
         in_sk = self._it < self._end
         unit_tile = self._it // self.k_tiles
         k_start = self._it - unit_tile * self.k_tiles
-        unit_end = cutlass.min(self._end, (unit_tile + 1) * self.k_tiles)
         idx = Int32(cutlass.select_(in_sk, unit_tile, self._idx))
         cl_m, cl_n, l = decode_tile(idx, self.grid, self.spec.swizzle, self.spec.raster_m)
-        cm, cn = self.spec.cluster_mn
-        tile = (
-            cute.arch.make_warp_uniform(cl_m * cm + self.rank_mn[0]),
-            cute.arch.make_warp_uniform(cl_n * cn + self.rank_mn[1]),
-            cute.arch.make_warp_uniform(l),
-        )
         return StreamKWork(
-            tile,
+            self._cta_tile(cl_m, cl_n, l),
             idx < self.grid.count,
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, k_start, 0)),
-            cute.arch.make_warp_uniform(cutlass.select_(in_sk, unit_end - self._it, self.k_tiles)),
+            cute.arch.make_warp_uniform(cutlass.select_(in_sk, self._unit_end() - self._it, self.k_tiles)),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, unit_tile, -1)),
         )
 
     def advance(self) -> StreamKWork:
         """The next unit of this cluster's range, then its next data-parallel tile."""
         in_sk = self._it < self._end
-        unit_end = cutlass.min(self._end, (self._it // self.k_tiles + 1) * self.k_tiles)
-        self._it = Int32(cutlass.select_(in_sk, unit_end, self._it))
+        self._it = Int32(cutlass.select_(in_sk, self._unit_end(), self._it))
         self._idx = Int32(cutlass.select_(in_sk, self._idx, self._idx + self.num_clusters))
         return self._work()

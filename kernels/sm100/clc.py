@@ -69,7 +69,7 @@ class ClcSpec(SchedulerSpec):
     def slots(self) -> int:
         return self.depth + (TAIL_CANCEL_BURST if self.tail_cancel else 0)
 
-    def grid_shape(self, grid: TileGrid, max_clusters: Int32) -> tuple:
+    def grid_shape(self, grid: TileGrid, max_clusters: Int32, k_tiles: Int32 | None = None) -> tuple:
         """Every cluster tile is launched: CLC steals from the launch queue, it never sizes it."""
         return (self.cluster_mn[0] * grid.count, self.cluster_mn[1], 1)
 

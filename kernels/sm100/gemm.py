@@ -210,19 +210,15 @@ class Sm100GemmKernel:
 
         # The launch covers the whole (possibly padded) output buffer.
         tiles = TileGrid.of(c.shape, self.cta_tile_shape_mnk[:2], self.cluster_shape_mn)
-        if cutlass.const_expr(self.sched.stream_k):
-            # Stream-K sizes its grid by the k-blocks there are to share.
-            k_tiles = (a.shape[1] + self.mma_tiler[2] - 1) // self.mma_tiler[2]
-            grid = self.sched.grid_shape(tiles, max_clusters, k_tiles)
-        else:
-            grid = self.sched.grid_shape(tiles, max_clusters)
+        # Stream-K sizes its grid by the k-blocks there are to share.
+        k_tiles = (a.shape[1] + self.mma_tiler[2] - 1) // self.mma_tiler[2]
 
         self.kernel(
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
             self.cluster_layout_vmnk, self.a_smem_layout_staged, self.b_smem_layout_staged,
             self.c_smem_layout_staged, self.epi_tile, sched_buf, rows, self._trace_buf,
         ).launch(
-            grid=grid,
+            grid=self.sched.grid_shape(tiles, max_clusters, k_tiles),
             block=[self.threads_per_cta, 1, 1],
             cluster=(*self.cluster_shape_mn, 1),
             smem=self.shared_storage.size_in_bytes(),
@@ -336,7 +332,7 @@ class Sm100GemmKernel:
                 mma_m, mma_n, mma_l = self._mma_tile(work, tiled_mma)
                 tAgA_slice = tAgA[(None, mma_m, None, mma_l)]
                 tBgB_slice = tBgB[(None, mma_n, None, mma_l)]
-                k_start, k_count = self._k_range(work, k_tile_cnt)
+                k_start, k_count = work.k_range(k_tile_cnt)
                 ab_producer = self._load_tile(
                     sched, ab_producer, k_count, tma_atom_a, tAgA_slice, tAsA, a_full_mcast_mask,
                     tma_atom_b, tBgB_slice, tBsB, b_full_mcast_mask, k_start,
@@ -402,12 +398,6 @@ class Sm100GemmKernel:
             c_pipeline.producer_tail()
             tmem.relinquish_alloc_permit()
             tmem.free(tCtAcc_base.iterator)
-
-    def _k_range(self, work, k_tile_cnt) -> tuple:
-        """(first k-block, k-blocks) of `work`: a stream-K unit's, else the whole K."""
-        if cutlass.const_expr(self.sched.stream_k):
-            return work.k_start, work.k_tiles
-        return cutlass.Int32(0), k_tile_cnt
 
     def _epilogue(self, tidx, tma_atom_c, tCtAcc_base, sC, tCgC, epi_tile) -> "_Epilogue":
         """The TMEM -> registers -> smem -> TMA-store partitions of one epilogue
@@ -607,14 +597,10 @@ class Sm100GemmKernel:
         acc_producer_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.num_acc_stage
         )
-        if cutlass.const_expr(self.sched.stream_k):
-            sched = self._scheduler(work_tiles, ring, k_tile_cnt)
-        else:
-            # A grouped kernel's `_scheduler` (never stream-K) takes no k-blocks.
-            sched = self._scheduler(work_tiles, ring)
+        sched = self._scheduler(work_tiles, ring, k_tile_cnt)
         work = sched.initial_work()
         while work.is_valid:
-            _, k_count = self._k_range(work, k_tile_cnt)
+            _, k_count = work.k_range(k_tile_cnt)
             tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
             ab_consumer.reset()
             peek_full = cutlass.Boolean(1)

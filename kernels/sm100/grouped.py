@@ -317,8 +317,10 @@ class Sm100GroupedGemmKernel(Sm100GemmKernel):
             tmem.relinquish_alloc_permit()
             tmem.free(tCtAcc_base.iterator)
 
-    def _scheduler(self, table: GroupTable, ring):
-        """The grouped walk: work indices decode to (tile, group) through the group table."""
+    def _scheduler(self, table: GroupTable, ring, k_tiles=None):
+        """The grouped walk: work indices decode to (tile, group) through the
+        group table (whole tiles: `k_tiles` is for stream-K, which grouped
+        GEMM does not take)."""
         if const_expr(self.cfg.scheduler == "clc"):
             return GroupedClcScheduler.create(self.sched, table, ring)
         return GroupedTileScheduler.create(self.sched, table, ring)

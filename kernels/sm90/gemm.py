@@ -304,7 +304,7 @@ class Sm90GemmKernel:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while work.is_valid:
                     m, n, l = work.tile
-                    k_start, k_count = self._k_range(work, k_tiles)
+                    k_start, k_count = work.k_range(k_tiles)
                     state = self._load_tile(
                         sched, load_pipe, state, k_start, k_count, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
                         tma_b, tBgB[(None, n, None, l)], tBsB, b_mask,
@@ -326,12 +326,6 @@ class Sm90GemmKernel:
                     TileScheduler.create(self.sched, grid, ring, k_tiles),
                     sched_buf, storage.arrivals.get_tensor(cute.make_layout(1)), trace,
                 )
-
-    def _k_range(self, work, k_tiles) -> tuple:
-        """(first k-block, k-blocks) of `work`: a stream-K unit's, else the whole K."""
-        if const_expr(self.sched.stream_k):
-            return work.k_start, work.k_tiles
-        return Int32(0), k_tiles
 
     @cute.jit
     def _consume(
@@ -360,7 +354,7 @@ class Sm90GemmKernel:
             m, n, l = work.tile
             if const_expr(trace is not None):
                 start = trace_now()
-            _, k_count = self._k_range(work, k_tiles)
+            _, k_count = work.k_range(k_tiles)
             read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_count, read, release)
             if const_expr(self.split_k > 1):
                 slots = SliceSlots(scratch.tile_id(m, n), self.split_k)
