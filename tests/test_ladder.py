@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sqlite3
+from types import SimpleNamespace
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ from tuner.key import Key, Problem
 from tuner.ladder import build_map, probes, rungs, tune_family
 from tuner.lookup import BASELINE, EXACT, NEAREST, RANGE, lookup, speedup_at
 from tuner.model import ModelBackend
-from tuner.search import Budget
+from tuner.search import Budget, scheduler_variant
+from kernels.space import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,3 +194,35 @@ def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
         if r["config"] is not None:
             assert all(kernel(m) <= cublas(m) for m in range(r["m_lo"], r["m_hi"] + 1)), r
     assert any(r["config"] is not None for r in ranges)
+
+
+def test_validation_also_times_the_winners_under_stream_k():
+    """Between rungs a winner's tiles leave a partial wave its rungs did not
+    have: every point times each neighbouring winner under stream-K too."""
+    from tuner.ladder import _measure_points
+
+    class Recording(ModelBackend):
+        def __init__(self):
+            super().__init__("sm90")
+            self.at: dict[int, list] = {}
+
+        def remeasure(self, key, cfgs, *, cold=False):
+            self.at[key.problem.m] = list(cfgs)
+            return super().remeasure(key, cfgs, cold=cold)
+
+    backend = Recording()
+    template = Key("sm90", backend.device_name, Problem(4096, 5376, 4096))
+    rung_winners = {
+        4096: GemmConfig(scheduler="dynamic_persistent", tile_m=128, tile_n=224, cluster_n=2, stages=4),
+        8192: GemmConfig(scheduler="static_persistent", tile_m=128, tile_n=256, stages=4),
+    }
+    outcomes = {m: SimpleNamespace(winner=SimpleNamespace(config=c.to_dict())) for m, c in rung_winners.items()}
+    points = _measure_points(template, outcomes, backend)
+    winners = set(rung_winners.values())
+    variants = {scheduler_variant(c, "stream_k") for c in winners}
+    assert None not in variants and not variants & winners
+    assert [m for m, _, _ in points] == [4096, *probes(4096, 8192), 8192]
+    for m, _, named in points:
+        timed = set(named.values())
+        assert timed == winners | variants
+        assert backend.at[m][0] is None  # cuBLAS, in the same interleaved run

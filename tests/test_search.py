@@ -7,7 +7,7 @@ from kernels.space import GemmConfig
 from db.store import Store
 from tuner.key import Key, Problem
 from tuner.model import ModelBackend
-from tuner.search import Budget, model_picks, tune_key
+from tuner.search import Budget, model_picks, neighbour_variants, tune_key
 
 
 class MeasuredBackend(ModelBackend):
@@ -52,10 +52,32 @@ def test_winner_and_scheduler_bests_come_from_one_interleaved_run(tmp_path):
     w = tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=8)).winner
     (finalists,) = rounds
     assert None in finalists
-    assert sorted(c.scheduler for c in finalists if c) == sorted(space.knobs("sm90")["scheduler"])
+    kernels = [c for c in finalists if c]
+    assert {c.scheduler for c in kernels} == set(space.knobs("sm90")["scheduler"])
+    # Beside each scheduler's best: the top config's cluster neighbours, which
+    # differ from it by less than one-by-one trials drift.
+    extra = [c for c in kernels if [d.scheduler for d in kernels].count(c.scheduler) > 1]
+    assert all(neighbour_variants(c) for c in extra)
     assert set(w.best_by_scheduler) == {"cublas", *space.knobs("sm90")["scheduler"]}
     assert w.ms == min(w.best_by_scheduler.values())
     assert w.baseline_ms == w.best_by_scheduler["cublas"]
+
+
+def test_the_best_config_is_tried_under_every_scheduler_and_neighbouring_cluster(tmp_path):
+    backend = MeasuredBackend("sm90")
+    key = Key("sm90", backend.device_name, Problem(512, 5376, 4096))
+    store = Store(str(tmp_path / "t.db"))
+    tune_key(key, backend, store, Budget(trials=6))
+    tried = list(backend.measured)
+    top = min(tried[:6], key=lambda c: ModelBackend.measure(backend, key, c).ms)
+    around = neighbour_variants(top)
+    assert set(around) <= set(tried)
+    assert {c.scheduler for c in around} == set(space.knobs("sm90")["scheduler"])
+    shapes = {(c.cluster_m, c.cluster_n) for c in around if c.scheduler == top.scheduler}
+    assert shapes and all(abs(cm - top.cluster_m) + abs(cn - top.cluster_n) == 1 for cm, cn in shapes)
+    # One step each: a stream-K variant drops split-K and pingpong, which it cannot have.
+    sk = [c for c in around if c.stream_k]
+    assert all(c.split_k == 1 and c.consumer == "cooperative" for c in sk)
 
 
 def test_measured_study_starts_from_model_picks_compiled_ahead(tmp_path):

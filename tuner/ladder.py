@@ -9,7 +9,8 @@ shapes for their own M.
 
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
 each pair of rungs (geometrically spaced), cuBLAS and the winners of the
-neighbouring rungs are re-measured interleaved, each call alone after an L2
+neighbouring rungs (each also under the stream-K scheduler) are re-measured
+interleaved, each call alone after an L2
 flush (the latency a model's forward sees, not back-to-back throughput); a
 range a kernel takes is measured again at the first M of every tile row
 inside it (`_refine`). From those measurements `build_map` makes the
@@ -38,7 +39,7 @@ from kernels.space import GemmConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
 from tuner.measure import Backend
-from tuner.search import Budget, Outcome, compile_ahead, model_picks, tune_key
+from tuner.search import Budget, Outcome, compile_ahead, model_picks, scheduler_variant, tune_key
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
 PROBES_PER_OCTAVE = 3
@@ -118,7 +119,6 @@ def tune_family(
     covered = current and min(r.m_lo for r in current) <= min(outcomes) and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
         return FamilyOutcome(outcomes, [], validated=False)
-    compile_ahead(backend, list({GemmConfig.from_dict(o.winner.config) for o in outcomes.values() if o.winner.config}))
     ranges = build_map(_refine(template, _measure_points(template, outcomes, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
@@ -258,15 +258,24 @@ def _neighbour_configs(outcomes: dict[int, Outcome], m: int) -> list[GemmConfig]
 def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backend) -> list[tuple]:
     """Interleaved cold-call times of cuBLAS and the neighbouring rungs' winners
     at every rung and probe: [(M, {name: ms}, {name: config})], by M, cuBLAS
-    first in each dict."""
+    first in each dict. Every point also times those winners under the
+    stream-K scheduler: between rungs their tiles leave a partial last wave
+    that their own rungs did not, and stream-K spreads that wave over every
+    SM; at the rungs too, so that a gap next to a rung can be its."""
     ladder_ms = sorted(outcomes)
-    winners = [outcomes[m].winner.config for m in ladder_ms]
-    plan: list[tuple[int, list[dict | None]]] = []
+    winners = [GemmConfig.from_dict(outcomes[m].winner.config) if outcomes[m].winner.config else None
+               for m in ladder_ms]
+    def with_stream_k(cfgs: list[GemmConfig | None]) -> list[GemmConfig]:
+        near = [c for c in cfgs if c]
+        return near + [v for c in near if (v := scheduler_variant(c, "stream_k")) and v not in near]
+
+    plan: list[tuple[int, list[GemmConfig]]] = []
     for i, m in enumerate(ladder_ms):
-        plan.append((m, winners[max(0, i - 1): i + 2]))
+        plan.append((m, with_stream_k(winners[max(0, i - 1): i + 2])))
         if i + 1 < len(ladder_ms):
-            plan += [(p, winners[i: i + 2]) for p in probes(m, ladder_ms[i + 1])]
-    return [_measure(template, m, [GemmConfig.from_dict(c) for c in cfgs if c], backend) for m, cfgs in plan]
+            plan += [(p, with_stream_k(winners[i: i + 2])) for p in probes(m, ladder_ms[i + 1])]
+    compile_ahead(backend, list(dict.fromkeys(c for _, cfgs in plan for c in cfgs)))
+    return [_measure(template, m, cfgs, backend) for m, cfgs in plan]
 
 
 def _measure(template: Key, m: int, cfgs: list[GemmConfig], backend: Backend) -> tuple:
