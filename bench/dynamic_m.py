@@ -6,8 +6,8 @@
 For every family (N, K) of the shape files, tuned beforehand into DB with
 `tuner tune --backend gpu` (ladders on), times `tuner.gemm(x, W.t())`
 against `F.linear(x, W)` at `--points` M values drawn log-uniformly from 1 to
-8192 with a fixed seed, skipping the family's rungs, and at the rungs
-themselves. Each path is captured in a CUDA graph of one call (so the host's
+8192 with a fixed seed, skipping every M the family has a winner at, and at
+the ladder's rungs (the listed M and the powers of two). Each path is captured in a CUDA graph of one call (so the host's
 dispatch cost, which `bench.dispatch` reports, does not blur device time)
 and timed with CUDA events around one replay after a write of twice the L2
 size (the operands come from DRAM, as in a model's forward); the two paths
@@ -107,6 +107,17 @@ def compile_choices(db: str, fams) -> int:
     return compile_many(sorted(cfgs, key=GemmConfig.name), workers=8)
 
 
+def _tuned_m(db: str, n: int, k: int) -> set[int]:
+    """Every M the family has a winner at: the ladder's rungs and the ones filled in between."""
+    from db.store import Store
+
+    store = Store(db, writer=False)
+    try:
+        return {w.key["m"] for w in store.winners(limit=10_000, n=n, k=k, groups=1)}
+    finally:
+        store.close()
+
+
 def check(x: torch.Tensor, w: torch.Tensor) -> float:
     want = F.linear(x.float(), w.float())
     got = dispatch.gemm(x, w.t()).float()
@@ -133,9 +144,10 @@ def run(args: argparse.Namespace) -> dict:
     print(f"compiled {compile_choices(args.db, fams)} kernels", file=sys.stderr)
     for (n, k), (name, listed) in fams.items():
         ladder = rungs(listed)
+        tuned = set(ladder) | _tuned_m(args.db, n, k)
         w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
         fam = {"name": name, "n": n, "k": k, "rungs": ladder, "random": [], "at_rungs": []}
-        for kind, ms in (("random", random_ms(args.points, args.seed, set(ladder))), ("at_rungs", ladder)):
+        for kind, ms in (("random", random_ms(args.points, args.seed, tuned)), ("at_rungs", ladder)):
             for m in ms:
                 x = (torch.randn(m, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
                 why = dispatch.explain(x, w.t())

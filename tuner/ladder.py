@@ -5,7 +5,9 @@ plus every power of two up to the largest, so no two rungs are more than 2x
 apart and M = 1 is always covered. Listed rungs get the full budget; the
 others are cheap: they measure their tuned neighbours' winners (compiled
 already, since one compiled kernel serves every M) and the model's best
-shapes for their own M.
+shapes for their own M. Where a rung's winner beat cuBLAS, the gaps next to
+it get such cheap rungs at their probe points too (`_fill_rungs`): a
+winning tile fits its own M's waves, not the M between.
 
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
 each pair of rungs (geometrically spaced), cuBLAS and the winners of the
@@ -100,18 +102,24 @@ def tune_family(
         outcomes[m] = tune_key(by_m[m], backend, store, budget, name=name, force=force,
                                on_trial=on_rung and on_rung(by_m[m], True))
     template = keys[0]
-    for m in (rungs(list(by_m)) if ladder else []):
-        if m in outcomes:
-            continue
+
+    def tune_rung(m: int) -> Outcome:
         key = template.with_m(m)
         seeds = _neighbour_configs(outcomes, m)
         if backend.name != "model":
             seeds += [c for c in model_picks(key, RUNG_MODEL_PICKS) if c not in seeds]
         seeds = [c for c in seeds if key.problem.runs(c)]
-        outcomes[m] = tune_key(
+        return tune_key(
             key, backend, store, Budget(trials=max(1, len(seeds)), seconds=budget.seconds),
             name=name, force=force, on_trial=on_rung and on_rung(key, False), seeds=seeds, explore=False,
         )
+
+    if ladder:
+        for m in rungs(list(by_m)):
+            if m not in outcomes:
+                outcomes[m] = tune_rung(m)
+        for m in _fill_rungs(outcomes):
+            outcomes[m] = tune_rung(m)
     fresh = any(not o.skipped for o in outcomes.values())
     family = family_of(template)
     versions = backend.versions()
@@ -240,6 +248,17 @@ class _Heartbeat:
 
 def _family_tuple(key: Key) -> tuple:
     return tuple(sorted((f, str(v)) for f, v in family_of(key).items()))
+
+
+def _fill_rungs(outcomes: dict[int, Outcome]) -> list[int]:
+    """The probe points of every gap between rungs next to a rung whose winner
+    beat cuBLAS: where the pool can win, a winner's tile fits its own M's
+    waves, and the M between two rungs fill them differently (27B o: the
+    4096 and 8192 winner lost 4-9 % to cuBLAS at the probes between them),
+    so those points get winners of their own."""
+    ms = sorted(outcomes)
+    wins = {m for m in ms if outcomes[m].winner.config and outcomes[m].winner.speedup >= HOLD_MARGIN}
+    return [p for lo, hi in zip(ms, ms[1:]) if lo in wins or hi in wins for p in probes(lo, hi)]
 
 
 def _neighbour_configs(outcomes: dict[int, Outcome], m: int) -> list[GemmConfig]:
