@@ -4,7 +4,8 @@ patched (`tuner.patch`), eager and under torch.compile.
     python -m bench.e2e --db DB [--tune gpu|model|none] [--tune-only] [--trials N]
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024] [--decode 1,16] [--steps 64] [--prompt 128]
-                        [--rounds 30] [--modes eager,compiled] [--out bench/results]
+                        [--rounds 100] [--decode-rounds 10] [--modes eager,compiled]
+                        [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
 (`tuner/data/models/`) truncated to `--layers` decoder layers, with random
@@ -27,10 +28,13 @@ downloaded).
    between the variants would time the first call after each `patch`
    (a dynamo guard miss, the layers' launch caches refilled) instead.
    Layers with a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by
-   default. The two variants alternate, each round timing one prefill or one
-   decode loop on the host clock after a sync (the host's cost is part of
-   what a user waits for); the speedup is patched over unpatched tokens/s, a
-   trimmed mean of the rounds' paired log ratios (as `bench.dynamic_m`).
+   default. The two variants alternate, timed on the host clock after a
+   sync (the host's cost is part of what a user waits for): prefill one
+   forward each per round; decode one step each, `--steps` pairs per round,
+   each variant on its own KV cache (pairing step by step cancels drift over
+   a loop, which pairing whole loops left in: a patched model that ran no
+   kernel measured 0.96-1.04x). The speedup is patched over unpatched
+   tokens/s, a trimmed mean of the paired log ratios (as `bench.dynamic_m`).
 3. Outputs: patched logits against unpatched ones (relative Frobenius error of
    the prefill logits and of the first decode step's) and the share of
    greedy decode tokens that agree.
@@ -118,26 +122,24 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _paired(fns: dict, run, rounds: int, prepare=lambda: None) -> dict:
-    """Seconds of `run(fn)` per variant's callable (`prepare` untimed before
-    each), alternating which goes first, and the speedup."""
+def _paired(trial, rounds: int) -> dict:
+    """Seconds per sample of each variant and the speedup. `trial(order)`
+    runs the variants in `order` and returns {variant: [seconds, ...]}, lists
+    of one length whose i-th samples pair up; rounds alternate the order."""
     times = {v: [] for v in VARIANTS}
-    for variant in VARIANTS:  # warm-up: compiles, decides and builds
-        for _ in range(2):
-            prepare()
-            run(fns[variant])
+    for _ in range(2):  # warm-up: compiles, decides and builds
+        trial(VARIANTS)
     gc.collect()
     gc.disable()  # a collection inside one variant's run is host noise the other does not pay
     try:
         for r in range(rounds):
-            for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-                prepare()
-                times[variant].append(_timed(lambda: run(fns[variant])))
+            for v, samples in trial(VARIANTS if r % 2 == 0 else VARIANTS[::-1]).items():
+                times[v] += samples
     finally:
         gc.enable()
-    logs = [math.log(u / p) for u, p in zip(times["unpatched"], times["patched"])]
+    logs = [math.log(u / p) for u, p in zip(times["unpatched"], times["patched"], strict=True)]
     return {"s": {v: trimmed_mean(t) for v, t in times.items()}, "speedup": math.exp(trimmed_mean(logs)),
-            "spread": statistics.pstdev(logs)}
+            "spread": statistics.pstdev(logs), "samples": len(logs)}
 
 
 def _modes(models: dict, modes: list[str]):
@@ -194,7 +196,8 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
             want = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
             for mode, fns in _modes(models, args.modes):
                 run = lambda fn: fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
-                timing = _paired(fns, run, args.rounds)
+                timing = _paired(lambda order: {v: [_timed(lambda: run(fns[v]))] for v in order},  # noqa: B023
+                                 args.rounds)
                 case[mode] = {
                     "tokens_per_s": {v: batch * seq / s for v, s in timing["s"].items()},
                     "speedup": timing["speedup"], "log_spread": timing["spread"],
@@ -215,39 +218,56 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
 
 
 def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
+    """Greedy decode steps into one static KV cache per variant; timing pairs
+    the variants step by step (one step of each, alternating which goes first,
+    each timed alone on the host clock after a sync, as a generate loop that
+    checks its stopping rule syncs every step), so that drift of the host's or
+    the GPU's clocks over a loop cancels."""
     from transformers import StaticCache
 
-    model = models["unpatched"]
     prompt = torch.randint(0, vocab, (batch, args.prompt), device=DEVICE, generator=gen)
     first = torch.randint(0, vocab, (batch, 1), device=DEVICE, generator=gen)
-    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.steps)
+    caches = {v: StaticCache(config=models[v].config, max_cache_len=args.prompt + args.steps) for v in VARIANTS}
     positions = [torch.tensor([args.prompt + i], device=DEVICE) for i in range(args.steps)]
 
-    def prefill():
-        """The prompt into an empty cache, eager, untimed."""
-        cache.reset()
-        model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(args.prompt, device=DEVICE),
-              logits_to_keep=1)
+    def prefill(v):
+        """The prompt into variant `v`'s empty cache, eager, untimed."""
+        caches[v].reset()
+        models[v](input_ids=prompt, past_key_values=caches[v],
+                  cache_position=torch.arange(args.prompt, device=DEVICE), logits_to_keep=1)
 
-    def loop(fn):
+    def loop(fn, v):
+        """The steps, untimed: (the first step's logits, the greedy tokens)."""
+        prefill(v)
         token, logits, tokens = first, None, []
         for pos in positions:
-            step = fn(input_ids=token, past_key_values=cache, cache_position=pos).logits[:, -1]
+            step = fn(input_ids=token, past_key_values=caches[v], cache_position=pos).logits[:, -1]
             logits = step if logits is None else logits  # the first step's: same inputs in every variant
             token = step.argmax(-1, keepdim=True)
             tokens.append(token)
         return logits, torch.cat(tokens, 1)
 
-    prefill()
-    want_logits, want_tokens = loop(model)
+    want_logits, want_tokens = loop(models["unpatched"], "unpatched")
     case = {"batch": batch, "prompt": args.prompt, "steps": args.steps}
     for mode, fns in _modes(models, args.modes):
-        timing = _paired(fns, loop, args.rounds, prefill)
-        prefill()
-        logits, tokens = loop(fns["patched"])
+        def trial(order):
+            for v in VARIANTS:
+                prefill(v)
+            token = dict.fromkeys(VARIANTS, first)
+            samples = {v: [] for v in VARIANTS}
+            for i, pos in enumerate(positions):
+                for v in order if i % 2 == 0 else order[::-1]:
+                    def step(v=v, pos=pos):
+                        logits = fns[v](input_ids=token[v], past_key_values=caches[v], cache_position=pos).logits
+                        token[v] = logits[:, -1].argmax(-1, keepdim=True)
+                    samples[v].append(_timed(step))
+            return samples
+
+        timing = _paired(trial, args.decode_rounds)
+        logits, tokens = loop(fns["patched"], "patched")
         case[mode] = {
-            "tokens_per_s": {v: batch * args.steps / s for v, s in timing["s"].items()},
-            "speedup": timing["speedup"], "log_spread": timing["spread"],
+            "tokens_per_s": {v: batch / s for v, s in timing["s"].items()},
+            "speedup": timing["speedup"], "log_spread": timing["spread"], "paired_steps": timing["samples"],
             "rel_err": _rel_err(logits, want_logits),
             "token_agreement": (tokens == want_tokens).float().mean().item(),
         }
@@ -268,7 +288,8 @@ def run(args: argparse.Namespace, checkpoint) -> dict:
     torch._dynamo.config.recompile_limit = 64  # a graph per variant, and per step count where an int is specialized
     dispatch.configure(args.db)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "db": os.path.basename(args.db),
-              "rounds": args.rounds, "rel_err_limit": REL_ERR_LIMIT, "models": []}
+              "rounds": args.rounds, "decode_rounds": args.decode_rounds, "steps": args.steps,
+              "rel_err_limit": REL_ERR_LIMIT, "models": []}
     import transformers
 
     record["transformers"] = transformers.__version__
@@ -298,7 +319,9 @@ def main() -> None:
     parser.add_argument("--decode", type=lambda t: [int(v) for v in t.split(",")], default=[1, 16])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=100, help="Paired forwards per prefill case.")
+    parser.add_argument("--decode-rounds", type=int, default=10,
+                        help="Rounds of --steps paired steps per decode case.")
     parser.add_argument("--modes", type=lambda t: t.split(","), default=["eager", "compiled"],
                         help="eager, compiled or both (comma-separated).")
     parser.add_argument("--out", default="bench/results")
