@@ -7,8 +7,9 @@ For every family (N, K) of the shape files, tuned beforehand into DB with
 `tuner tune --backend gpu` (ladders on), times `tuner.gemm(x, W.t())`
 against `F.linear(x, W)` at `--points` M values drawn log-uniformly from 1 to
 8192 with a fixed seed, skipping every M the family has a winner at, and at
-the ladder's rungs (the listed M and the powers of two). Each path is captured in a CUDA graph of one call (so the host's
-dispatch cost, which `bench.dispatch` reports, does not blur device time)
+the ladder's rungs (the listed M and the powers of two). Each path is
+captured in a CUDA graph of one call (so the host's dispatch cost, which
+`bench.dispatch` reports, does not blur device time)
 and timed with CUDA events around one replay after a write of twice the L2
 size (the operands come from DRAM, as in a model's forward); the two paths
 alternate replay by replay, `--rounds` each; times are trimmed means

@@ -12,10 +12,9 @@ winning tile fits its own M's waves, not the M between.
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
 each pair of rungs (geometrically spaced), cuBLAS and the winners of the
 neighbouring rungs (each also under the stream-K scheduler) are re-measured
-interleaved, each call alone after an L2
-flush (the latency a model's forward sees, not back-to-back throughput); a
-range a kernel takes is measured again at the first M of every tile row
-inside it (`_refine`). From those measurements `build_map` makes the
+interleaved, each call alone after an L2 flush (the latency a model's
+forward sees, not back-to-back throughput); a range a kernel takes is
+measured again at the first M of every tile row inside it (`_refine`). From those measurements `build_map` makes the
 family's M map:
 
 - at a measured M, the fastest candidate, a kernel only if it beats cuBLAS
@@ -284,6 +283,7 @@ def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backen
     ladder_ms = sorted(outcomes)
     winners = [GemmConfig.from_dict(outcomes[m].winner.config) if outcomes[m].winner.config else None
                for m in ladder_ms]
+
     def with_stream_k(cfgs: list[GemmConfig | None]) -> list[GemmConfig]:
         near = [c for c in cfgs if c]
         return near + [v for c in near if (v := scheduler_variant(c, "stream_k")) and v not in near]
