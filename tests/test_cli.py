@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tuner.ladder import probes, rungs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,22 @@ def count(db, table):
         con.close()
 
 
+def winner_ms(db, n, k) -> set[int]:
+    con = sqlite3.connect(db)
+    try:
+        return {m for (m,) in con.execute(
+            "select k.m from tuner_winners w join tuner_keys k on k.id = w.key_id where k.n = ? and k.k = ?", (n, k))}
+    finally:
+        con.close()
+
+
+def assert_ladder(db, n, k, ladder):
+    """The family's winners are its ladder's rungs plus probe points of its gaps."""
+    ms = winner_ms(db, n, k)
+    assert set(ladder) <= ms
+    assert ms - set(ladder) <= {p for lo, hi in zip(ladder, ladder[1:]) for p in probes(lo, hi)}
+
+
 def digest(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -45,8 +63,10 @@ def test_tune_then_rerun_redoes_nothing(tmp_path):
     db = tmp_path / "t.db"
     out = tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "12", db=db).stdout
     assert "M maps" in out and "a: N=4096 K=4096" in out and "b: N=2048 K=1024" in out
-    # Ladders: every power of two up to 128 (family a) and up to 512 (family b).
-    assert count(db, "tuner_winners") == 8 + 10
+    # Ladders: every power of two up to 128 (family a) and up to 512 (family b),
+    # and the probe points of gaps next to a rung a kernel won.
+    assert_ladder(db, 4096, 4096, rungs([1, 128]))
+    assert_ladder(db, 2048, 1024, rungs([512]))
     trials, ranges = count(db, "tuner_trials"), count(db, "tuner_m_ranges")
     tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "12", db=db)
     assert (count(db, "tuner_trials"), count(db, "tuner_m_ranges")) == (trials, ranges)
@@ -176,7 +196,8 @@ def test_only_restricts_keys_by_name_glob(tmp_path):
     db = tmp_path / "t.db"
     out = tuner("tune", "--shapes", "gemma3.txt", "--only", "gemma3-27b.o", "--backend", "model",
                 "--trials", "4", db=db).stdout
-    assert count(db, "tuner_winners") == 14  # M = 1 to 8192: every power of two
+    assert_ladder(db, 5376, 4096, rungs([8192]))  # M = 1 to 8192: every power of two
+    assert count(db, "tuner_winners") == len(winner_ms(db, 5376, 4096))
     assert "gemma3-27b.o" in out and "gemma3-1b" not in out
     proc = tuner("tune", "--shapes", "gemma3.txt", "--only", "nope*", db=db, check=False)
     assert proc.returncode == 2 and "no key" in proc.stdout + proc.stderr
