@@ -236,14 +236,18 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
         models[v](input_ids=prompt, past_key_values=caches[v],
                   cache_position=torch.arange(args.prompt, device=DEVICE), logits_to_keep=1)
 
+    def step(fn, v, token, pos):
+        """One decode step of `fn` on variant `v`'s cache: the new position's logits."""
+        return fn(input_ids=token, past_key_values=caches[v], cache_position=pos).logits[:, -1]
+
     def loop(fn, v):
         """The steps, untimed: (the first step's logits, the greedy tokens)."""
         prefill(v)
         token, logits, tokens = first, None, []
         for pos in positions:
-            step = fn(input_ids=token, past_key_values=caches[v], cache_position=pos).logits[:, -1]
-            logits = step if logits is None else logits  # the first step's: same inputs in every variant
-            token = step.argmax(-1, keepdim=True)
+            last = step(fn, v, token, pos)
+            logits = last if logits is None else logits  # the first step's: same inputs in every variant
+            token = last.argmax(-1, keepdim=True)
             tokens.append(token)
         return logits, torch.cat(tokens, 1)
 
@@ -257,10 +261,9 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
             samples = {v: [] for v in VARIANTS}
             for i, pos in enumerate(positions):
                 for v in order if i % 2 == 0 else order[::-1]:
-                    def step(v=v, pos=pos):
-                        logits = fns[v](input_ids=token[v], past_key_values=caches[v], cache_position=pos).logits
-                        token[v] = logits[:, -1].argmax(-1, keepdim=True)
-                    samples[v].append(_timed(step))
+                    def greedy(v=v, pos=pos):
+                        token[v] = step(fns[v], v, token[v], pos).argmax(-1, keepdim=True)
+                    samples[v].append(_timed(greedy))
             return samples
 
         timing = _paired(trial, args.decode_rounds)
