@@ -93,8 +93,8 @@ _KNOBS = {
         # 4.8.1), and the epilogue's stmatrix x4 stores 16 columns: so 16.
         "tile_m": (64, 128, 192, 256),
         "tile_n": tuple(range(64, 257, 16)),
-        "cluster_m": (1, 2),
-        "cluster_n": (1, 2),
+        "cluster_m": (1, 2, 4),
+        "cluster_n": (1, 2, 4),
         "stages": (2, 3, 4, 5, 6, 7, 8),
         "swizzle": (1, 2, 4, 8),
         "raster": RASTERS,

@@ -75,6 +75,14 @@ OFFLINE = [
     _v(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=2, dtype_out="fp32"),
     _v("nn", scheduler=SK, tile_m=128, tile_n=192, cluster_m=2, cluster_n=2, raster="n", swizzle=2),
     _v(scheduler=SK, tile_m=256, tile_n=128, stages=3, cluster_m=2, swizzle=4),
+    # Clusters of four along M (B multicast to four CTAs, 44-row slices of a
+    # 176-wide tile) or N, under every scheduler and both consumer modes.
+    _v(scheduler=STATIC, tile_m=128, tile_n=176, stages=5, cluster_m=4, swizzle=4),
+    _v("nn", scheduler=SINGLE, tile_m=64, tile_n=128, stages=8, cluster_n=4),
+    _v(scheduler=DYN, tile_m=128, tile_n=192, stages=4, cluster_m=4, sched_depth=2),
+    _v(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=4, dtype_out="fp32"),
+    _v(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128, cluster_m=4),
+    _v("nn", scheduler=STATIC, consumer=PP, tile_m=64, tile_n=192, stages=6, cluster_n=4),
 ]
 
 
@@ -152,6 +160,7 @@ SPLIT_K_CONFIGS = [
     GemmConfig(scheduler=SINGLE, split_k=8, tile_m=64, tile_n=64),
     GemmConfig(scheduler=STATIC, split_k=2, tile_m=128, tile_n=192, cluster_m=2),
     GemmConfig(scheduler=DYN, split_k=3, tile_m=128, tile_n=224),
+    GemmConfig(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128, cluster_m=4),
 ]
 # Sizes off every tile multiple, a single row, a single k-block, N = 8.
 SHAPES = [(1, 256, 4096), (300, 200, 136), (1000, 1000, 1000), (129, 8, 520), (77, 264, 8), (2048, 1536, 1024)]
@@ -228,6 +237,23 @@ PINGPONG_CONFIGS = [
 PINGPONG_SHAPES = SHAPES + [(4096, 4096, 512), (3000, 2056, 264)]
 
 
+# Clusters of four: B (4x1) or A (1x4) multicast to four CTAs, slices of
+# the tile that are not whole 8-row swizzle atoms (176 / 4 = 44 rows), a
+# grid that is not a multiple of the cluster, and the 27B o shape at M = 512.
+CLUSTER4_CONFIGS = [
+    GemmConfig(scheduler=STATIC, tile_n=176, stages=5, cluster_m=4, swizzle=4),
+    GemmConfig(scheduler=STATIC, tile_n=192, stages=4, cluster_m=4, raster="n"),
+    GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=128, stages=8, cluster_n=4),
+    GemmConfig(scheduler=DYN, tile_n=192, stages=4, cluster_m=4, sched_depth=2),
+    GemmConfig(scheduler=STATIC, tile_m=64, tile_n=192, stages=6, cluster_n=4, consumer=PP),
+]
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", CLUSTER4_CONFIGS, ids=lambda c: c.name())
+def test_clusters_of_four_correct(cfg, layout):
+    _check(cfg, layout, NEW_TILE_SHAPES)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["tn", "nn"])
 @pytest.mark.parametrize("cfg", PINGPONG_CONFIGS, ids=lambda c: c.name())
@@ -255,6 +281,7 @@ STREAM_K_CONFIGS = [
     GemmConfig(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=2, swizzle=2),
     GemmConfig(scheduler=SK, tile_n=192, cluster_m=2, cluster_n=2),
     GemmConfig(scheduler=SK, tile_m=256, tile_n=128, stages=3, cluster_m=2, swizzle=4),
+    GemmConfig(scheduler=SK, tile_n=256, stages=4, cluster_m=4, swizzle=4),
 ]
 STREAM_K_SHAPES = [
     (128, 5376, 4096), (512, 5376, 4096), (512, 5376, 21504), (1, 256, 4096), (300, 200, 136),

@@ -29,8 +29,10 @@ def test_sm90_pool_size_and_scheduler_split():
     stream_k = [c for c in configs if c.stream_k]
     assert not any(c.pingpong for c in stream_k) and {c.split_k for c in stream_k} == {1}
     assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
-    assert len(configs) - len(pingpong) - len(stream_k) == 47528
-    assert len(pingpong) == 11024 and len(stream_k) == 2464
+    # Clusters 1x1, 1x2, 2x1, 2x2, 1x4 and 4x1 (at most 4 CTAs).
+    assert {(c.cluster_m, c.cluster_n) for c in configs} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)}
+    assert len(configs) - len(pingpong) - len(stream_k) == 71292
+    assert len(pingpong) == 16536 and len(stream_k) == 3696
 
 
 @pytest.mark.parametrize(
@@ -72,7 +74,8 @@ def test_accepted(fields):
         (dict(tail_cancel=True), "tail_cancel="),
         (dict(arch="sm100", scheduler="dynamic_persistent", sched_depth=3), "one tile ahead"),
         (dict(scheduler="single_tile", swizzle=4), "single_tile"),
-        (dict(cluster_m=2, cluster_n=4), "cluster_n=4"),
+        (dict(cluster_m=2, cluster_n=4), "exceeds 4 CTAs"),
+        (dict(cluster_m=8), "cluster_m=8"),
         (dict(tile_n=72), "tile_n=72"),
         # An odd multiple of 8: the K-major B TMA load does not build.
         (dict(tile_n=168), "tile_n=168"),
