@@ -7,7 +7,7 @@ from kernels.space import GemmConfig
 from db.store import Store
 from tuner.key import Key, Problem
 from tuner.model import ModelBackend
-from tuner.search import Budget, model_picks, neighbour_variants, tune_key
+from tuner.search import NEIGHBOUR_SHAPES, Budget, cluster_variants, model_picks, neighbour_variants, tune_key
 
 
 class MeasuredBackend(ModelBackend):
@@ -78,6 +78,29 @@ def test_the_best_config_is_tried_under_every_scheduler_and_neighbouring_cluster
     # One step each: a stream-K variant drops split-K and pingpong, which it cannot have.
     sk = [c for c in around if c.stream_k]
     assert all(c.split_k == 1 and c.consumer == "cooperative" for c in sk)
+
+
+def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_path):
+    backend = MeasuredBackend("sm90")
+    rounds = []
+    backend.remeasure = lambda key, cfgs: rounds.append(cfgs) or ModelBackend.remeasure(backend, key, cfgs)
+    key = Key("sm90", backend.device_name, Problem(512, 5376, 21504))
+    tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=8))
+    tried = list(backend.measured)
+    ms = {c: ModelBackend.measure(backend, key, c).ms for c in tried}
+    leaders = {}
+    for cfg in sorted(tried[:8], key=ms.get):
+        leaders.setdefault((cfg.tile_m, cfg.tile_n), cfg)
+    leaders = list(leaders.values())[:NEIGHBOUR_SHAPES]
+    assert len(leaders) == NEIGHBOUR_SHAPES
+    (finalists,) = rounds
+    for leader in leaders[1:]:
+        around = [c for c in cluster_variants(leader) if key.problem.runs(c)]
+        assert set(around) <= set(tried)
+        # A neighbour that beat its shape's best one by one meets it again interleaved.
+        faster = [c for c in around if ms[c] < ms[leader]]
+        if faster:
+            assert min(faster, key=ms.get) in finalists
 
 
 def test_measured_study_starts_from_model_picks_compiled_ahead(tmp_path):

@@ -41,6 +41,10 @@ MODEL_SHORTLIST = 16
 # efficiency; finer trade-offs are the model's to weigh.
 WAVE_FIT_MIN_AREA = 128 * 128
 WAVE_FIT_SLACK = 0.05
+# The search re-times the cluster neighbours of the best config of this many
+# tile shapes (the best config's scheduler variants too): a tile whose 1x1
+# trial straggles may lead once multicast halves its L2 traffic.
+NEIGHBOUR_SHAPES = 3
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
 MAX_SAMPLES_PER_TRIAL = 20
@@ -198,14 +202,24 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
     clusters: list[GemmConfig] = []
     if ranked:
-        top = GemmConfig.from_dict(ranked[0].config)
-        variants = [v for v in neighbour_variants(top) if key.problem.runs(v)]
+        leaders = _shape_leaders([GemmConfig.from_dict(t.config) for t in ranked], NEIGHBOUR_SHAPES)
+        top = leaders[0]
+        families = [(top, neighbour_variants(top))] + [(cfg, cluster_variants(cfg)) for cfg in leaders[1:]]
+        variants = [v for _, around in families for v in around if key.problem.runs(v)]
         compile_ahead(backend, [v for v in variants if v.name() not in measured])
         for variant in variants:
             measure(variant)
-        # The top's cluster neighbours differ from it by a few per cent, as
-        # much as drift between one-by-one trials: the interleaved run decides.
-        clusters = [v for v in variants if v.scheduler == top.scheduler and measured[v.name()].ok]
+        # A cluster neighbour differs from its config by a few per cent, as
+        # much as drift between one-by-one trials: the interleaved run
+        # decides between the top's neighbours, and between each other
+        # shape's best and its fastest neighbour where that one led.
+        clusters = [v for v in variants if v.scheduler == top.scheduler and measured[v.name()].ok
+                    and v in families[0][1]]
+        for leader, around in families[1:]:
+            runs = [v for v in around if v.name() in measured and measured[v.name()].ok]
+            best = min(runs, key=lambda v: measured[v.name()].ms, default=None)
+            if best is not None and measured[best.name()].ms < measured[leader.name()].ms:
+                clusters.append(best)
     best_rows: dict[str, TrialView] = {}
     for t in sorted((t for t in measured.values() if t.ok), key=lambda t: t.ms):
         best_rows.setdefault(t.scheduler, t)
@@ -243,13 +257,31 @@ def neighbour_variants(cfg: GemmConfig) -> list[GemmConfig]:
     search's 1x1 winner stood at 0.909x."""
     knobs = space.knobs(cfg.arch)
     out = [v for sched in knobs["scheduler"] if sched != cfg.scheduler and (v := scheduler_variant(cfg, sched))]
+    return out + cluster_variants(cfg)
+
+
+def cluster_variants(cfg: GemmConfig) -> list[GemmConfig]:
+    """`cfg` under each valid cluster shape one doubling or halving away along M or N."""
+    knobs = space.knobs(cfg.arch)
     fields = cfg.to_dict()
+    out = []
     for name in ("cluster_m", "cluster_n"):
         for size in (fields[name] * 2, fields[name] // 2):
             candidate = fields | {name: size}
             if size in knobs[name] and space.is_valid(candidate):
                 out.append(GemmConfig(**candidate))
     return out
+
+
+def _shape_leaders(ranked: list[GemmConfig], count: int) -> list[GemmConfig]:
+    """The fastest config of each of the `count` fastest tile shapes, from
+    configs ranked fastest first."""
+    leaders: dict[tuple[int, int], GemmConfig] = {}
+    for cfg in ranked:
+        leaders.setdefault((cfg.tile_m, cfg.tile_n), cfg)
+        if len(leaders) == count:
+            break
+    return list(leaders.values())
 
 
 def scheduler_variant(cfg: GemmConfig, sched: str) -> GemmConfig | None:
@@ -314,7 +346,8 @@ def _choices(arch: str) -> dict[str, tuple]:
     """The sampled parameters of `arch` and their values (single-valued knobs
     left out); tile shapes that no config can build (accumulators beyond the
     registers) are not offered, and pingpong tiles are a parameter of their
-    own where the arch has pingpong consumers."""
+    own where the arch has pingpong consumers; cluster shapes are those of
+    at most the arch's largest cluster."""
     knobs = space.knobs(arch)
     out = {}
     for pair, (first, second) in _PAIRS.items():
@@ -323,7 +356,7 @@ def _choices(arch: str) -> dict[str, tuple]:
             continue
         out[pair] = tuple(
             f"{a}x{b}" for a in knobs[first] for b in knobs[second]
-            if pair == "cluster" or _buildable_tile(arch, a, b, consumer)
+            if (a * b <= space.MAX_CLUSTER[arch] if pair == "cluster" else _buildable_tile(arch, a, b, consumer))
         )
     for name, choices in knobs.items():
         paired = any(name in names for names in _PAIRS.values())
