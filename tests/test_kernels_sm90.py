@@ -247,6 +247,8 @@ CLUSTER4_CONFIGS = [
     GemmConfig(scheduler=DYN, tile_n=192, stages=4, cluster_m=4, sched_depth=2),
     GemmConfig(scheduler=STATIC, tile_m=64, tile_n=192, stages=6, cluster_n=4, consumer=PP),
 ]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["tn", "nn"])
 @pytest.mark.parametrize("cfg", CLUSTER4_CONFIGS, ids=lambda c: c.name())
