@@ -116,6 +116,40 @@ def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_pat
     assert led
 
 
+class _StragglingWaveFit(MeasuredBackend):
+    """Measured times where the 1x1 clusters of 128x176 (down M = 512's
+    wave-fit tile) run 40 % slower than the model says, as their tiles
+    straggled on an H100."""
+
+    def measure(self, key, cfg):
+        m = super().measure(key, cfg)
+        if (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == (128, 176, 1, 1):
+            m = replace(m, ms=m.ms * 1.4)
+        return m
+
+
+def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(tmp_path):
+    from tuner.search import _wave_fit_config
+
+    backend = _StragglingWaveFit("sm90")
+    rounds = []
+    backend.remeasure = lambda key, cfgs: rounds.append(cfgs) or ModelBackend.remeasure(backend, key, cfgs)
+    key = Key("sm90", backend.device_name, Problem(512, 5376, 21504))
+    fit = _wave_fit_config(key)
+    assert (fit.tile_m, fit.tile_n) == (128, 176)
+    tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=8))
+    tried = list(backend.measured)
+    ms = {c: _StragglingWaveFit.measure(backend, key, c).ms for c in tried}
+    ranked = sorted(tried[:8], key=ms.get)
+    shapes = list(dict.fromkeys((c.tile_m, c.tile_n) for c in ranked))
+    assert (128, 176) in shapes[NEIGHBOUR_SHAPES:]  # no runner-up: only the wave fit brings it
+    fitted = next(c for c in ranked if (c.tile_m, c.tile_n) == (128, 176))
+    around = [c for c in cluster_variants(fitted) if key.problem.runs(c)]
+    assert around and set(around) <= set(tried)
+    (finalists,) = rounds
+    assert min(around, key=ms.get) in finalists
+
+
 def test_measured_study_starts_from_model_picks_compiled_ahead(tmp_path):
     backend = MeasuredBackend("sm90")
     key = Key("sm90", backend.device_name, Problem(2048, 5376, 4096))

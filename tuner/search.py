@@ -42,8 +42,10 @@ MODEL_SHORTLIST = 16
 WAVE_FIT_MIN_AREA = 128 * 128
 WAVE_FIT_SLACK = 0.05
 # The search re-times the cluster neighbours of the best config of this many
-# tile shapes (the best config's scheduler variants too): a tile whose 1x1
-# trial straggles may lead once multicast halves its L2 traffic.
+# tile shapes, and of the wave-fit tile (the best config's scheduler variants
+# too): a tile whose 1x1 trial straggles may lead once multicast halves its
+# L2 traffic (H100, 27B at M = 512: 128x176 fills one wave, and its 1x1
+# trials took 0.224-0.229 ms on down where 2x1 took 0.164).
 NEIGHBOUR_SHAPES = 3
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
@@ -202,7 +204,9 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
     clusters: list[GemmConfig] = []
     if ranked:
-        leaders = _shape_leaders([GemmConfig.from_dict(t.config) for t in ranked], NEIGHBOUR_SHAPES)
+        fit = _wave_fit_config(key)
+        leaders = _shape_leaders([GemmConfig.from_dict(t.config) for t in ranked], NEIGHBOUR_SHAPES,
+                                 (fit.tile_m, fit.tile_n) if fit else None)
         top = leaders[0]
         families = [(top, neighbour_variants(top))] + [(cfg, cluster_variants(cfg)) for cfg in leaders[1:]]
         variants = [v for _, around in families for v in around if key.problem.runs(v)]
@@ -273,14 +277,15 @@ def cluster_variants(cfg: GemmConfig) -> list[GemmConfig]:
     return out
 
 
-def _shape_leaders(ranked: list[GemmConfig], count: int) -> list[GemmConfig]:
-    """The fastest config of each of the `count` fastest tile shapes, from
-    configs ranked fastest first."""
+def _shape_leaders(ranked: list[GemmConfig], count: int, also: tuple[int, int] | None = None) -> list[GemmConfig]:
+    """The fastest config of each of the `count` fastest tile shapes, then
+    that of tile shape `also` if it is not among them, from configs ranked
+    fastest first."""
     leaders: dict[tuple[int, int], GemmConfig] = {}
     for cfg in ranked:
-        leaders.setdefault((cfg.tile_m, cfg.tile_n), cfg)
-        if len(leaders) == count:
-            break
+        shape = (cfg.tile_m, cfg.tile_n)
+        if len(leaders) < count or shape == also:
+            leaders.setdefault(shape, cfg)
     return list(leaders.values())
 
 
