@@ -92,7 +92,9 @@ _KNOBS = {
         # does not build (make_tiled_tma_atom aborts in nvidia-cutlass-dsl
         # 4.8.1), and the epilogue's stmatrix x4 stores 16 columns: so 16.
         "tile_m": (64, 128, 192, 256),
-        "tile_n": tuple(range(64, 257, 16)),
+        # Under 64 only with swap_ab: the activations' few rows on the MMA's
+        # N side (a single 8-row swizzle atom, 8, does not build: see above).
+        "tile_n": (16, 32, 48, *range(64, 257, 16)),
         "cluster_m": (1, 2, 4),
         "cluster_n": (1, 2, 4),
         "stages": (2, 3, 4, 5, 6, 7, 8),
@@ -104,6 +106,7 @@ _KNOBS = {
         "cta_group": (1,),
         "acc_stages": (1,),
         "consumer": CONSUMERS,
+        "swap_ab": (False, True),
     },
     "sm100": {
         "scheduler": ("single_tile", "static_persistent", "dynamic_persistent", "stream_k", "clc"),
@@ -122,6 +125,7 @@ _KNOBS = {
         # The tcgen05 MMA is issued by one thread; TMEM accumulator stages
         # (acc_stages) are sm100's way of overlapping the epilogue.
         "consumer": ("cooperative",),
+        "swap_ab": (False,),
     },
 }
 
@@ -145,6 +149,14 @@ class GemmConfig:
     tile_m x tile_n tile (tile_m 64 or 128, one warpgroup's rows), taking
     alternate tiles of the CTA's schedule. Configs stored before the knob
     existed have no such field and load as "cooperative".
+
+    swap_ab (sm90, B an nn.Linear weight): the kernel computes out.T = W @
+    x.T, so that the weight's rows take the MMA's M side (64 a warpgroup)
+    and the activations' rows its N side, which WGMMA takes from 16 up: a
+    decode step's few rows then fill a 64 x 16 tile instead of wasting a
+    64-row one, and the weight's N rows make many tiles (what cuBLAS runs at
+    M = 1 on an H100: a 64x8 "tst" kernel). tile_m then counts weight rows
+    (N) and tile_n activation rows (M).
     """
 
     arch: str = "sm90"
@@ -162,6 +174,7 @@ class GemmConfig:
     cta_group: int = 1
     acc_stages: int = 1
     consumer: str = "cooperative"
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         validate(self)
@@ -191,6 +204,11 @@ class GemmConfig:
     def cta_tile_m(self) -> int:
         """Rows of the output tile one CTA owns."""
         return self.tile_m // self.cta_group
+
+    @property
+    def m_rows(self) -> int:
+        """Rows of M (the activations) one MMA tile covers."""
+        return self.tile_n if self.swap_ab else self.tile_m
 
     @property
     def cluster_tile(self) -> tuple[int, int]:
@@ -236,6 +254,8 @@ class GemmConfig:
             parts.append(f"g{self.cta_group}a{self.acc_stages}")
         if self.pingpong:
             parts.append("pp")
+        if self.swap_ab:
+            parts.append("ab")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -266,6 +286,8 @@ class GemmConfig:
                     fields_["tail_cancel"] = True
                 elif part == "pp":
                     fields_["consumer"] = "pingpong"
+                elif part == "ab":
+                    fields_["swap_ab"] = True
                 elif part[0] == "d":
                     fields_["sched_depth"] = int(part[1:])
                 elif part[0] == "k":
@@ -403,6 +425,12 @@ def validate(cfg: GemmConfig) -> None:
         )
 
     if cfg.arch == "sm90":
+        if cfg.tile_n < 64 and not cfg.swap_ab:
+            raise InvalidConfig(f"tile_n={cfg.tile_n} is for swap_ab tiles only (activation rows)")
+        if cfg.swap_ab and (cfg.tile_n > 64 or cfg.tile_m not in (64, 128)):
+            raise InvalidConfig("a swap_ab tile is 64 or 128 weight rows by at most 64 activation rows")
+        if cfg.swap_ab and (cfg.pingpong or cfg.reduces_partials):
+            raise InvalidConfig("swap_ab tiles are cooperative and keep K whole (no split-K, stream-K)")
         if cfg.pingpong and cfg.tile_m not in (64, 128):
             raise InvalidConfig(f"a pingpong tile is one warpgroup's: tile_m 64 or 128, not {cfg.tile_m}")
         # Split-K is for keys with few tiles, where a CTA rarely has a second
@@ -458,6 +486,8 @@ def check_problem(
     check_operands(m, n, k, groups, dtype_in, dtype_out, layout)
     if cfg.pingpong and groups > 1:
         raise InvalidConfig("pingpong consumers are not built for grouped GEMM")
+    if cfg.swap_ab and (groups > 1 or layout != "tn"):
+        raise InvalidConfig("swap_ab takes B as an nn.Linear weight (layout tn), not grouped")
     if cfg.stream_k and groups > 1:
         raise InvalidConfig("stream-K is not built for grouped GEMM")
     if cfg.split_k > 1:

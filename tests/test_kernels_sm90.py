@@ -83,6 +83,12 @@ OFFLINE = [
     _v(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=4, dtype_out="fp32"),
     _v(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128, cluster_m=4),
     _v("nn", scheduler=STATIC, consumer=PP, tile_m=64, tile_n=192, stages=6, cluster_n=4),
+    # swap_ab: the weight on the MMA's M side, 16 to 64 activation rows on
+    # its N side, an M-major output (transposed stmatrix), fp32 out too.
+    _v(scheduler=SINGLE, tile_m=64, tile_n=16, stages=8, swap_ab=True),
+    _v(scheduler=STATIC, tile_m=128, tile_n=32, stages=8, swizzle=4, swap_ab=True, dtype_out="fp32"),
+    _v(scheduler=DYN, tile_m=64, tile_n=48, stages=8, cluster_m=2, swap_ab=True),
+    _v(scheduler=SINGLE, tile_m=64, tile_n=64, stages=8, cluster_n=4, swap_ab=True, dtype_in="fp16", dtype_out="fp16"),
 ]
 
 
@@ -247,6 +253,26 @@ CLUSTER4_CONFIGS = [
     GemmConfig(scheduler=DYN, tile_n=192, stages=4, cluster_m=4, sched_depth=2),
     GemmConfig(scheduler=STATIC, tile_m=64, tile_n=192, stages=6, cluster_n=4, consumer=PP),
 ]
+
+
+# swap_ab: out.T = W @ x.T, activation rows on the MMA's N side (16 to 64),
+# weight rows on its M side; a single row, rows off every tile multiple,
+# N = 8 (one weight row block mostly out of bounds), K under one k-block.
+SWAP_AB_CONFIGS = [
+    GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=16, stages=8, swap_ab=True),
+    GemmConfig(scheduler=STATIC, tile_m=128, tile_n=32, stages=8, swizzle=4, swap_ab=True),
+    GemmConfig(scheduler=DYN, tile_m=64, tile_n=48, stages=8, cluster_m=2, swap_ab=True),
+    GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=64, stages=8, cluster_n=4, swap_ab=True),
+    GemmConfig(scheduler=STATIC, tile_m=64, tile_n=16, stages=8, cluster_m=4, swap_ab=True),
+]
+SWAP_AB_SHAPES = [(1, 5376, 4096), (16, 8192, 5376)] + SHAPES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", SWAP_AB_CONFIGS, ids=lambda c: c.name())
+def test_swap_ab_correct(cfg):
+    _check(cfg, "tn", SWAP_AB_SHAPES)
+    _check(cfg, "tn", SWAP_AB_SHAPES[:2], dtype_out="fp32")
 
 
 @pytest.mark.gpu

@@ -243,3 +243,29 @@ def test_gaps_next_to_a_winning_rung_get_rungs_at_their_probes(tmp_path):
     # Validation runs over the denser ladder: every rung is a measured point.
     points = {p["m"] for r in out.ranges for p in r["evidence"]}
     assert set(out.rungs) <= points
+
+
+def test_rungs_of_a_few_rows_are_seeded_with_swap_ab(tmp_path):
+    """A measured backend's rungs start from their neighbours' winners and
+    the model's picks, and those of at most 64 rows from `swap_seeds` too."""
+    from tuner.search import swap_seeds
+
+    class Measured(ModelBackend):
+        name = "measured"
+
+        def __init__(self):
+            super().__init__("sm90")
+            self.measured = []
+
+        def measure(self, key, cfg):
+            self.measured.append((key.problem.m, cfg))
+            return super().measure(key, cfg)
+
+    backend = Measured()
+    keys = [Key("sm90", backend.device_name, Problem(m, 5376, 4096)) for m in (1, 128)]
+    out = tune_family(keys, backend, Store(str(tmp_path / "t.db")), Budget(trials=6), name="o")
+    small = [m for m in out.rungs if 1 < m <= 64]
+    assert small
+    for m in small:
+        seeds = swap_seeds(keys[0].with_m(m))
+        assert seeds and set(seeds) <= {c for at, c in backend.measured if at == m}

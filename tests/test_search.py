@@ -150,6 +150,19 @@ def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(t
     assert min(around, key=ms.get) in finalists
 
 
+def test_a_few_row_key_starts_from_swap_ab_seeds(tmp_path):
+    from tuner.search import swap_seeds
+
+    backend = MeasuredBackend("sm90")
+    key = Key("sm90", backend.device_name, Problem(4, 5376, 4096))
+    seeds = swap_seeds(key)
+    assert [(c.tile_m, c.tile_n, c.swap_ab) for c in seeds] == [(64, 16, True), (128, 16, True)]
+    tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=12))
+    assert set(seeds) <= set(backend.measured[:12])
+    assert swap_seeds(Key("sm90", "dev", Problem(65, 5376, 4096))) == []
+    assert swap_seeds(Key("sm100", "dev", Problem(4, 5376, 4096))) == []
+
+
 def test_measured_study_starts_from_model_picks_compiled_ahead(tmp_path):
     backend = MeasuredBackend("sm90")
     key = Key("sm90", backend.device_name, Problem(2048, 5376, 4096))
@@ -242,6 +255,10 @@ def test_pingpong_samples_draw_only_pingpong_tiles_and_never_split_k():
     # At the shallowest pipeline every pingpong sample is a config: none is
     # pruned for a tile or a split it cannot have.
     assert all(space.is_valid({**f, "stages": 2}) for f in pingpong)
+    # swap_ab samples (cooperative, not stream-K) draw a swap tile and no split.
+    swap = [f for f in drawn if f.get("swap_ab")]
+    assert swap and all("split_k" not in f and f["consumer"] == "cooperative" for f in swap)
+    assert all(space.is_valid({**f, "stages": 2}) for f in swap)
 
 
 def test_model_ranks_every_tile_shape_before_clusters_and_schedulers():

@@ -31,8 +31,13 @@ def test_sm90_pool_size_and_scheduler_split():
     assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
     # Clusters 1x1, 1x2, 2x1, 2x2, 1x4 and 4x1 (at most 4 CTAs).
     assert {(c.cluster_m, c.cluster_n) for c in configs} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)}
-    assert len(configs) - len(pingpong) - len(stream_k) == 71292
-    assert len(pingpong) == 16536 and len(stream_k) == 3696
+    # swap_ab: 64 or 128 weight rows by 16 to 64 activation rows, cooperative, K whole.
+    swap = [c for c in configs if c.swap_ab]
+    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in (16, 32, 48, 64)}
+    assert not any(c.pingpong or c.reduces_partials for c in swap)
+    assert min(c.tile_n for c in configs if not c.swap_ab) == 64
+    assert len(configs) - len(pingpong) - len(stream_k) - len(swap) == 71292
+    assert len(pingpong) == 16536 and len(stream_k) == 3696 and len(swap) == 8736
 
 
 @pytest.mark.parametrize(
@@ -79,7 +84,13 @@ def test_accepted(fields):
         (dict(tile_n=72), "tile_n=72"),
         # An odd multiple of 8: the K-major B TMA load does not build.
         (dict(tile_n=168), "tile_n=168"),
-        (dict(tile_n=48), "tile_n=48"),
+        (dict(tile_n=48), "swap_ab tiles only"),
+        (dict(tile_n=40), "tile_n=40"),
+        (dict(swap_ab=True, tile_n=128), "at most 64 activation rows"),
+        (dict(swap_ab=True, tile_m=256, tile_n=32, stages=3), "64 or 128 weight rows"),
+        (dict(swap_ab=True, tile_n=32, split_k=2), "keep K whole"),
+        (dict(swap_ab=True, tile_n=32, consumer="pingpong"), "are cooperative"),
+        (dict(arch="sm100", swap_ab=True), "swap_ab=True"),
         (dict(tile_m=96), "tile_m=96"),
         # 512 threads get 128 registers each: 112 accumulators do not fit.
         (dict(tile_m=192, tile_n=208), "accumulator registers"),
@@ -110,7 +121,7 @@ def test_rejected(fields, reason):
 
 def test_epilogue_subtiles_divide_every_width_and_smem_counts_them():
     for tile_n in space.knobs("sm90")["tile_n"]:
-        cfg = GemmConfig(tile_m=64, tile_n=tile_n, stages=2)
+        cfg = GemmConfig(tile_m=64, tile_n=tile_n, stages=2, swap_ab=tile_n < 64)
         width = space.epi_subtile_n(cfg)
         assert tile_n % width == 0 and width % 16 == 0
         # Stages of A and B, two fp32 epilogue buffers, the reserve: exact.
@@ -160,6 +171,16 @@ def test_check_problem(problem, reason):
 def test_pingpong_is_not_grouped():
     with pytest.raises(InvalidConfig, match="grouped"):
         space.check_problem(GemmConfig(consumer="pingpong"), 4096, 512, 256, groups=8)
+
+
+def test_swap_ab_takes_a_linear_weight_only():
+    swap = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=16, stages=8, swap_ab=True)
+    space.check_problem(swap, 1, 5376, 4096)
+    for problem in (dict(layout="nn"), dict(groups=4)):
+        with pytest.raises(InvalidConfig, match="swap_ab"):
+            space.check_problem(swap, 16, 5376, 4096, **problem)
+    assert GemmConfig.from_name(swap.name()) == swap and swap.name().endswith("-ab")
+    assert swap.m_rows == 16 and GemmConfig().m_rows == 128  # a tile row of M: its activation rows
 
 
 def test_split_k_scratch_must_stay_int32_indexable():

@@ -40,7 +40,7 @@ from kernels.space import GemmConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
 from tuner.measure import Backend
-from tuner.search import Budget, Outcome, compile_ahead, model_picks, scheduler_variant, tune_key
+from tuner.search import Budget, Outcome, compile_ahead, model_picks, scheduler_variant, swap_seeds, tune_key
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
 PROBES_PER_OCTAVE = 3
@@ -106,7 +106,7 @@ def tune_family(
         key = template.with_m(m)
         seeds = _neighbour_configs(outcomes, m)
         if backend.name != "model":
-            seeds += [c for c in model_picks(key, RUNG_MODEL_PICKS) if c not in seeds]
+            seeds += [c for c in model_picks(key, RUNG_MODEL_PICKS) + swap_seeds(key) if c not in seeds]
         seeds = [c for c in seeds if key.problem.runs(c)]
         return tune_key(
             key, backend, store, Budget(trials=max(1, len(seeds)), seconds=budget.seconds),
@@ -327,9 +327,10 @@ def _refine(template: Key, points: list[tuple], backend: Backend) -> list[tuple]
                 continue
             cfg = GemmConfig.from_dict(r["config"])
             others = [c for p in points if r["m_lo"] <= p[0] <= r["m_hi"] for c in p[2].values() if c != cfg]
-            rows = range(r["m_lo"] // cfg.tile_m, r["m_hi"] // cfg.tile_m + 1)
-            extra += [(q * cfg.tile_m + 1, [cfg, *others]) for q in rows
-                      if r["m_lo"] < q * cfg.tile_m + 1 <= r["m_hi"] and q * cfg.tile_m + 1 not in seen]
+            step = cfg.m_rows
+            rows = range(r["m_lo"] // step, r["m_hi"] // step + 1)
+            extra += [(q * step + 1, [cfg, *others]) for q in rows
+                      if r["m_lo"] < q * step + 1 <= r["m_hi"] and q * step + 1 not in seen]
         if not extra:
             break
         points = sorted(points + [_measure(template, m, cfgs, backend) for m, cfgs in extra],

@@ -436,6 +436,11 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
         raise InvalidConfig(f"config for {cfg.arch} on a {device.arch} device model")
     p = problem
     check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+    if cfg.swap_ab:
+        # The kernel runs out.T = W @ x.T: the weight's rows are its M. Its N
+        # is the activations' rows, rounded up to the 8 a problem's N takes
+        # (the tile pads them to 16 anyway).
+        p = replace(p, m=p.n, n=_cdiv(p.m, 8) * 8)
     if padding < 1:
         raise ValueError(f"padding must be >= 1, got {padding}")
     plan = _plan(p, cfg, device, padding)

@@ -47,6 +47,8 @@ WAVE_FIT_SLACK = 0.05
 # L2 traffic (H100, 27B at M = 512: 128x176 fills one wave, and its 1x1
 # trials took 0.224-0.229 ms on down where 2x1 took 0.164).
 NEIGHBOUR_SHAPES = 3
+# Keys of at most this many rows start from swap_ab configs (`swap_seeds`).
+SWAP_SEED_MAX_M = 64
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
 MAX_SAMPLES_PER_TRIAL = 20
@@ -310,22 +312,27 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
     to sample and store. Pingpong consumers draw their tile from the tiles
     one warpgroup holds ("pingpong_tile") and never split K, so that a
     pingpong sample is not pruned for a tile or a split it cannot have;
+    swap_ab tiles ("swap_tile": weight rows x activation rows) likewise;
     stream-K, which splits K itself and reduces the shared tiles in the
-    cooperative consumers' registers, draws neither a consumer nor a split.
+    cooperative consumers' registers, draws neither a consumer, a swap nor
+    a split.
     """
     knobs = space.knobs(arch)
     choices_ = _choices(arch)
     fields = {"arch": arch}
     sched = fields["scheduler"] = trial.suggest_categorical("scheduler", knobs["scheduler"])
-    pingpong = False
+    pingpong = swap = False
     stream_k = sched == "stream_k"
     if "consumer" in choices_ and not stream_k:
         fields["consumer"] = trial.suggest_categorical("consumer", choices_["consumer"])
         pingpong = fields["consumer"] == "pingpong"
+    if "swap_ab" in choices_ and not stream_k and not pingpong:
+        swap = fields["swap_ab"] = trial.suggest_categorical("swap_ab", choices_["swap_ab"])
+    tile = _tile_param(pingpong, swap)
     for name, choices in choices_.items():
-        if name == "consumer" or name == ("tile" if pingpong else _PINGPONG_TILE):
+        if name in ("consumer", "swap_ab") or name in _TILE_PARAMS and name != tile:
             continue
-        if name == "split_k" and (pingpong or stream_k):
+        if name == "split_k" and (pingpong or stream_k or swap):
             continue
         if name == "sched_depth" and sched not in ("dynamic_persistent", "clc"):
             continue
@@ -343,25 +350,33 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
 
 
 _PINGPONG_TILE = "pingpong_tile"
-_PAIRS = {"tile": ("tile_m", "tile_n"), _PINGPONG_TILE: ("tile_m", "tile_n"), "cluster": ("cluster_m", "cluster_n")}
+_SWAP_TILE = "swap_tile"
+_TILE_PARAMS = ("tile", _PINGPONG_TILE, _SWAP_TILE)
+_PAIRS = {**{name: ("tile_m", "tile_n") for name in _TILE_PARAMS}, "cluster": ("cluster_m", "cluster_n")}
+
+
+def _tile_param(pingpong: bool, swap: bool) -> str:
+    """The parameter a config's tile is drawn as."""
+    return _PINGPONG_TILE if pingpong else _SWAP_TILE if swap else "tile"
 
 
 @functools.cache
 def _choices(arch: str) -> dict[str, tuple]:
     """The sampled parameters of `arch` and their values (single-valued knobs
     left out); tile shapes that no config can build (accumulators beyond the
-    registers) are not offered, and pingpong tiles are a parameter of their
-    own where the arch has pingpong consumers; cluster shapes are those of
+    registers) are not offered, and pingpong and swap_ab tiles are parameters
+    of their own where the arch has those modes; cluster shapes are those of
     at most the arch's largest cluster."""
     knobs = space.knobs(arch)
     out = {}
     for pair, (first, second) in _PAIRS.items():
         consumer = "pingpong" if pair == _PINGPONG_TILE else "cooperative"
-        if consumer not in knobs["consumer"]:
+        swap = pair == _SWAP_TILE
+        if consumer not in knobs["consumer"] or swap not in knobs["swap_ab"]:
             continue
         out[pair] = tuple(
             f"{a}x{b}" for a in knobs[first] for b in knobs[second]
-            if (a * b <= space.MAX_CLUSTER[arch] if pair == "cluster" else _buildable_tile(arch, a, b, consumer))
+            if (a * b <= space.MAX_CLUSTER[arch] if pair == "cluster" else _buildable_tile(arch, a, b, consumer, swap))
         )
     for name, choices in knobs.items():
         paired = any(name in names for names in _PAIRS.values())
@@ -370,13 +385,14 @@ def _choices(arch: str) -> dict[str, tuple]:
     return out
 
 
-def _buildable_tile(arch: str, tile_m: int, tile_n: int, consumer: str = "cooperative") -> bool:
-    """Whether some config of `arch` with `consumer`s has this MMA tile (at its fewest stages)."""
+def _buildable_tile(arch: str, tile_m: int, tile_n: int, consumer: str = "cooperative", swap: bool = False) -> bool:
+    """Whether some config of `arch` with `consumer`s (and `swap` of A and B)
+    has this MMA tile (at its fewest stages)."""
     knobs = space.knobs(arch)
     fewest = min(knobs["stages"])
     for cta_group in knobs["cta_group"]:
         fields = dict(arch=arch, tile_m=tile_m, tile_n=tile_n, stages=fewest, cta_group=cta_group,
-                      cluster_m=cta_group, consumer=consumer)
+                      cluster_m=cta_group, consumer=consumer, swap_ab=swap)
         if space.is_valid(fields):
             return True
     return False
@@ -384,8 +400,9 @@ def _buildable_tile(arch: str, tile_m: int, tile_n: int, consumer: str = "cooper
 
 def _params(cfg: GemmConfig) -> dict:
     params = {"scheduler": cfg.scheduler}
+    tile = _tile_param(cfg.pingpong, cfg.swap_ab)
     for name in _choices(cfg.arch):
-        if name == ("tile" if cfg.pingpong else _PINGPONG_TILE):
+        if name in _TILE_PARAMS and name != tile:
             continue
         if name in _PAIRS:
             first, second = _PAIRS[name]
@@ -397,12 +414,14 @@ def _params(cfg: GemmConfig) -> dict:
 
 def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     """A default per scheduler, the tile that best fills whole waves of the
-    key, then the winners of the nearest tuned keys."""
+    key, the swap_ab seeds of a few-row key, then the winners of the nearest
+    tuned keys."""
     p = key.problem
     candidates = list(space.defaults(arch).values())
     fit = _wave_fit_config(key)
     if fit is not None:
         candidates.append(fit)
+    candidates += swap_seeds(key)
     near = store.winners(
         limit=10_000, arch=key.arch, device=key.device, dtype_in=p.dtype_in,
         dtype_out=p.dtype_out, layout=p.layout,
@@ -421,6 +440,26 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     out = []
     for cfg in candidates:
         if p.runs(cfg) and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def swap_seeds(key: Key) -> list[GemmConfig]:
+    """For a key of at most SWAP_SEED_MAX_M rows: single-tile swap_ab configs
+    of 64 and 128 weight rows by the narrowest activation tile that holds M,
+    at their deepest pipeline. The model prices them above split-K there,
+    which the H100 reversed (27B qkv at M = 1: 64x16 swap_ab 0.0326 ms,
+    cuBLAS 0.0320, the split-K picks 0.037 and more), so they are measured
+    whatever the model says."""
+    p = key.problem
+    knobs = space.knobs(key.arch)
+    if True not in knobs["swap_ab"] or p.m > SWAP_SEED_MAX_M:
+        return []
+    tile_n = min(t for t in knobs["tile_n"] if t >= p.m and t >= 16)
+    out = []
+    for tile_m in (64, 128):
+        cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=tile_n, swap_ab=True))
+        if cfg is not None and p.runs(cfg):
             out.append(cfg)
     return out
 
@@ -458,7 +497,7 @@ def _cta_pair(arch: str, tile_m: int) -> dict:
 
 def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     """The `count` configs the analytic model predicts fastest for `key`, best
-    first, one per tile, split-K and consumer shape (with its best cluster):
+    first, one per tile, split-K, consumer and swap_ab shape (with its best cluster):
     the model ranks shapes better than it ranks schedulers, and the search
     tries the best measured shape under every scheduler anyway.
 
@@ -472,24 +511,25 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
     scheduler cannot crowd the picks with its shapes.
     """
     knobs = space.knobs(key.arch)
+    choices = _choices(key.arch)
     shapes = [
-        (tile, split_k, cta_group, consumer)
-        for tile in _choices(key.arch)["tile"] for split_k in knobs["split_k"] for cta_group in knobs["cta_group"]
+        (tile, split_k, cta_group, consumer, False)
+        for tile in choices["tile"] for split_k in knobs["split_k"] for cta_group in knobs["cta_group"]
         for consumer in knobs["consumer"]
-    ]
+    ] + [(tile, 1, 1, "cooperative", True) for tile in choices.get(_SWAP_TILE, ())]
     # The smallest cluster each shape takes (a 2-CTA MMA spans a pair).
     first = _scored(key, [("static_persistent", shape, f"{shape[2]}x1") for shape in shapes])
     shortlist = []
     for _, cfg in first:
-        shape = (f"{cfg.tile_m}x{cfg.tile_n}", cfg.split_k, cfg.cta_group, cfg.consumer)
+        shape = (f"{cfg.tile_m}x{cfg.tile_n}", cfg.split_k, cfg.cta_group, cfg.consumer, cfg.swap_ab)
         if shape not in shortlist:
             shortlist.append(shape)
     shortlist = shortlist[:MODEL_SHORTLIST]
-    scored = _scored(key, itertools.product(knobs["scheduler"], shortlist, _choices(key.arch)["cluster"]))
+    scored = _scored(key, itertools.product(knobs["scheduler"], shortlist, choices["cluster"]))
     shapes: set[tuple] = set()
     out = []
     for _, cfg in scored:
-        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group, cfg.consumer)
+        shape = (cfg.tile_m, cfg.tile_n, cfg.split_k, cfg.cta_group, cfg.consumer, cfg.swap_ab)
         if shape not in shapes and len(out) < count:
             shapes.add(shape)
             out.append(cfg)
@@ -498,13 +538,14 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
 
 def _scored(key: Key, combos) -> list[tuple[float, GemmConfig]]:
     """(predicted ms, config) of every (scheduler, (tile, split_k, cta_group,
-    consumer), cluster) that runs `key`, at its deepest pipeline, fastest first."""
+    consumer, swap_ab), cluster) that runs `key`, at its deepest pipeline,
+    fastest first."""
     from tuner.model import predict_ms
 
     scored: list[tuple[float, GemmConfig]] = []
-    for sched, (tile, split_k, cta_group, consumer), cluster in combos:
+    for sched, (tile, split_k, cta_group, consumer, swap), cluster in combos:
         cfg = _deepest(dict(
-            arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group, consumer=consumer,
+            arch=key.arch, scheduler=sched, split_k=split_k, cta_group=cta_group, consumer=consumer, swap_ab=swap,
             swizzle=1 if sched == "single_tile" else 4,
             **dict(zip(_PAIRS["tile"], map(int, tile.split("x")))),
             **dict(zip(_PAIRS["cluster"], map(int, cluster.split("x")))),

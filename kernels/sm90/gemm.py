@@ -86,6 +86,7 @@ class Sm90GemmKernel:
         self.stages = cfg.stages
         self.split_k = cfg.split_k
         self.pingpong = cfg.pingpong
+        self.swap_ab = cfg.swap_ab
         self.mma_groups = cfg.consumer_warpgroups
         # Warpgroups, and their threads, that share one tile's WGMMAs,
         # accumulators and epilogue: all consumers, or one with pingpong.
@@ -112,23 +113,36 @@ class Sm90GemmKernel:
     # ------------------------------------------------------------------ host side
 
     def _views(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
-        """(m, k, l), (n, k, l) views, l the K slice, and the (m, n, 1) output."""
+        """(m, k, l), (n, k, l) views, l the K slice, and the (m, n, 1) output.
+
+        With swap_ab the kernel's A is the weight b and its B the
+        activations a, and it writes out.T: the (n, m, 1) view of `c` whose
+        first mode is contiguous (an M-major output)."""
+        if const_expr(self.swap_ab):
+            rows, cols = c.shape
+            ct = cute.make_tensor(c.iterator, cute.make_layout((cols, rows, 1), stride=(1, c.stride[0], rows * c.stride[0])))
+            return self._operand_view(b, "tn"), self._operand_view(a, "tn"), ct
+        a3, b3 = self._operand_view(a, "tn"), self._operand_view(b, self.layout)
+        m, n = a.shape[0], (b.shape[0] if const_expr(self.layout == "tn") else b.shape[1])
+        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, m * c.stride[0])))
+        return a3, b3, c3
+
+    def _operand_view(self, t: cute.Tensor, layout: str):
+        """The (rows, k, l) view of a K-major ("tn") or (k, rows) row-major
+        ("nn") operand, l the K slice."""
         s = self.split_k
-        m, k = a.shape
+        if const_expr(layout == "tn"):
+            rows, k = t.shape
+        else:
+            k, rows = t.shape
         k_slice = k
         if const_expr(s > 1):
             k_slice = cute.assume(k // s, divby=8)
-        a3 = cute.make_tensor(a.iterator, cute.make_layout((m, k_slice, s), stride=(a.stride[0], 1, k_slice)))
-        if const_expr(self.layout == "tn"):
-            n = b.shape[0]
-            b3 = cute.make_tensor(b.iterator, cute.make_layout((n, k_slice, s), stride=(b.stride[0], 1, k_slice)))
-        else:
-            n = b.shape[1]
-            b3 = cute.make_tensor(
-                b.iterator, cute.make_layout((n, k_slice, s), stride=(1, b.stride[0], b.stride[0] * k_slice))
-            )
-        c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, m * c.stride[0])))
-        return a3, b3, c3
+        if const_expr(layout == "tn"):
+            return cute.make_tensor(t.iterator, cute.make_layout((rows, k_slice, s), stride=(t.stride[0], 1, k_slice)))
+        return cute.make_tensor(
+            t.iterator, cute.make_layout((rows, k_slice, s), stride=(1, t.stride[0], t.stride[0] * k_slice))
+        )
 
     def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> None:
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
@@ -161,10 +175,13 @@ class Sm90GemmKernel:
         tm, tn, tk = self.tile_mnk
         a_smem = staged((tm, tk), self.a_dtype, self.a_layout, self.stages)
         b_smem = staged((tn, tk), self.b_dtype, self.b_layout, self.stages)
+        # A swap_ab output is M-major: its staging runs along the tile's rows.
+        m_major = self.c_layout.is_m_major_c()
         c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(self.c_layout, self.c_dtype, self.epi_tile[1]), self.c_dtype
+            sm90_utils.get_smem_layout_atom(self.c_layout, self.c_dtype, self.epi_tile[0 if m_major else 1]),
+            self.c_dtype,
         )
-        c_smem = cute.tile_to_shape(c_atom, (*self.epi_tile, self.epi_stages), order=(0, 1, 2))
+        c_smem = cute.tile_to_shape(c_atom, (*self.epi_tile, self.epi_stages), order=(1, 0, 2) if m_major else (0, 1, 2))
         return a_smem, b_smem, c_smem
 
     @staticmethod
