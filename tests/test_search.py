@@ -80,30 +80,42 @@ def test_the_best_config_is_tried_under_every_scheduler_and_neighbouring_cluster
     assert all(c.split_k == 1 and c.consumer == "cooperative" for c in sk)
 
 
-class _PairsFaster(MeasuredBackend):
-    """Measured times where every 2x1 cluster runs 10 % faster than the model says."""
+class _Scaled(MeasuredBackend):
+    """The model's times, `factor` times them for the configs `which` picks."""
+
+    def __init__(self, which, factor):
+        super().__init__("sm90")
+        self.which, self.factor = which, factor
+
+    def time_of(self, key, cfg) -> float:
+        ms = ModelBackend.measure(self, key, cfg).ms
+        return ms * self.factor if self.which(cfg) else ms
 
     def measure(self, key, cfg):
-        m = super().measure(key, cfg)
-        if (cfg.cluster_m, cfg.cluster_n) == (2, 1):
-            m = replace(m, ms=m.ms * 0.9)
-        return m
+        return replace(super().measure(key, cfg), ms=self.time_of(key, cfg))
 
 
-def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_path):
-    backend = _PairsFaster("sm90")
+def _tune_down_512(backend, tmp_path):
+    """Tune 27B down at M = 512: (configs measured in order, their times,
+    the interleaved finalists)."""
     rounds = []
     backend.remeasure = lambda key, cfgs: rounds.append(cfgs) or ModelBackend.remeasure(backend, key, cfgs)
     key = Key("sm90", backend.device_name, Problem(512, 5376, 21504))
     tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=8))
     tried = list(backend.measured)
-    ms = {c: _PairsFaster.measure(backend, key, c).ms for c in tried}
+    (finalists,) = rounds
+    return key, tried, {c: backend.time_of(key, c) for c in tried}, finalists
+
+
+def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_path):
+    # Every 2x1 cluster 10 % faster than the model says.
+    backend = _Scaled(lambda c: (c.cluster_m, c.cluster_n) == (2, 1), 0.9)
+    key, tried, ms, finalists = _tune_down_512(backend, tmp_path)
     leaders = {}
     for cfg in sorted(tried[:8], key=ms.get):
         leaders.setdefault((cfg.tile_m, cfg.tile_n), cfg)
     leaders = list(leaders.values())[:NEIGHBOUR_SHAPES]
     assert len(leaders) == NEIGHBOUR_SHAPES
-    (finalists,) = rounds
     led = 0
     for leader in leaders[1:]:
         around = [c for c in cluster_variants(leader) if key.problem.runs(c)]
@@ -116,37 +128,21 @@ def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_pat
     assert led
 
 
-class _StragglingWaveFit(MeasuredBackend):
-    """Measured times where the 1x1 clusters of 128x176 (down M = 512's
-    wave-fit tile) run 40 % slower than the model says, as their tiles
-    straggled on an H100."""
-
-    def measure(self, key, cfg):
-        m = super().measure(key, cfg)
-        if (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == (128, 176, 1, 1):
-            m = replace(m, ms=m.ms * 1.4)
-        return m
-
-
 def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(tmp_path):
     from tuner.search import _wave_fit_config
 
-    backend = _StragglingWaveFit("sm90")
-    rounds = []
-    backend.remeasure = lambda key, cfgs: rounds.append(cfgs) or ModelBackend.remeasure(backend, key, cfgs)
-    key = Key("sm90", backend.device_name, Problem(512, 5376, 21504))
+    # 128x176 (down M = 512's wave-fit tile) on 1x1 clusters 40 % slower than
+    # the model says, as its tiles straggled on an H100.
+    backend = _Scaled(lambda c: (c.tile_m, c.tile_n, c.cluster_m, c.cluster_n) == (128, 176, 1, 1), 1.4)
+    key, tried, ms, finalists = _tune_down_512(backend, tmp_path)
     fit = _wave_fit_config(key)
     assert (fit.tile_m, fit.tile_n) == (128, 176)
-    tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=8))
-    tried = list(backend.measured)
-    ms = {c: _StragglingWaveFit.measure(backend, key, c).ms for c in tried}
     ranked = sorted(tried[:8], key=ms.get)
     shapes = list(dict.fromkeys((c.tile_m, c.tile_n) for c in ranked))
     assert (128, 176) in shapes[NEIGHBOUR_SHAPES:]  # no runner-up: only the wave fit brings it
     fitted = next(c for c in ranked if (c.tile_m, c.tile_n) == (128, 176))
     around = [c for c in cluster_variants(fitted) if key.problem.runs(c)]
     assert around and set(around) <= set(tried)
-    (finalists,) = rounds
     assert min(around, key=ms.get) in finalists
 
 
