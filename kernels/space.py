@@ -152,11 +152,12 @@ class GemmConfig:
 
     swap_ab (sm90, B an nn.Linear weight): the kernel computes out.T = W @
     x.T, so that the weight's rows take the MMA's M side (64 a warpgroup)
-    and the activations' rows its N side, which WGMMA takes from 16 up: a
-    decode step's few rows then fill a 64 x 16 tile instead of wasting a
-    64-row one, and the weight's N rows make many tiles (what cuBLAS runs at
-    M = 1 on an H100: a 64x8 "tst" kernel). tile_m then counts weight rows
-    (N) and tile_n activation rows (M).
+    and the activations' rows its N side, 16 or more here (WGMMA takes 8,
+    but an 8-row B tile is one swizzle atom, which the TMA load does not
+    build): a decode step's few rows then fill a 64 x 16 tile instead of
+    padding a 64-row one, and the weight's N rows make many tiles (what
+    cuBLAS runs at M = 1 on an H100: a 64x8 "tst" kernel). tile_m then
+    counts weight rows (N) and tile_n activation rows (M).
     """
 
     arch: str = "sm90"

@@ -208,7 +208,7 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     if ranked:
         fit = _wave_fit_config(key)
         leaders = _shape_leaders([GemmConfig.from_dict(t.config) for t in ranked], NEIGHBOUR_SHAPES,
-                                 (fit.tile_m, fit.tile_n) if fit else None)
+                                 (fit.tile_m, fit.tile_n, False) if fit else None)
         top = leaders[0]
         families = [(top, neighbour_variants(top))] + [(cfg, cluster_variants(cfg)) for cfg in leaders[1:]]
         variants = [v for _, around in families for v in around if key.problem.runs(v)]
@@ -279,13 +279,13 @@ def cluster_variants(cfg: GemmConfig) -> list[GemmConfig]:
     return out
 
 
-def _shape_leaders(ranked: list[GemmConfig], count: int, also: tuple[int, int] | None = None) -> list[GemmConfig]:
-    """The fastest config of each of the `count` fastest tile shapes, then
-    that of tile shape `also` if it is not among them, from configs ranked
-    fastest first."""
-    leaders: dict[tuple[int, int], GemmConfig] = {}
+def _shape_leaders(ranked: list[GemmConfig], count: int, also: tuple[int, int, bool] | None = None) -> list[GemmConfig]:
+    """The fastest config of each of the `count` fastest tile shapes (tile_m,
+    tile_n, swap_ab), then that of shape `also` if it is not among them, from
+    configs ranked fastest first."""
+    leaders: dict[tuple[int, int, bool], GemmConfig] = {}
     for cfg in ranked:
-        shape = (cfg.tile_m, cfg.tile_n)
+        shape = (cfg.tile_m, cfg.tile_n, cfg.swap_ab)
         if len(leaders) < count or shape == also:
             leaders.setdefault(shape, cfg)
     return list(leaders.values())
@@ -448,9 +448,9 @@ def swap_seeds(key: Key) -> list[GemmConfig]:
     """For a key of at most SWAP_SEED_MAX_M rows: single-tile swap_ab configs
     of 64 and 128 weight rows by the narrowest activation tile that holds M,
     at their deepest pipeline. The model prices them above split-K there,
-    which the H100 reversed (27B qkv at M = 1: 64x16 swap_ab 0.0326 ms,
-    cuBLAS 0.0320, the split-K picks 0.037 and more), so they are measured
-    whatever the model says."""
+    which the H100 reversed (27B qkv at M = 1, one tuning run: 64x16 swap_ab
+    0.0325 ms, cuBLAS 0.0317, the model's split-K picks 0.040-0.044), so
+    they are measured whatever the model says."""
     p = key.problem
     knobs = space.knobs(key.arch)
     if True not in knobs["swap_ab"] or p.m > SWAP_SEED_MAX_M:

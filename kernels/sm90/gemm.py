@@ -18,6 +18,11 @@ fills the ring in that order. They take turns through an ordered barrier,
 mainloop after mainloop and epilogue after epilogue, so that one
 warpgroup's epilogue runs while the other's WGMMAs keep the tensor cores busy.
 
+With swap_ab (B an nn.Linear weight) the kernel runs out.T = W @ x.T: its A
+is the weight, its B the activations, 16 to 64 of their rows a tile on the
+MMA's N side, and its output the (N, M) view of `out`, stored M-major
+(transposed stmatrix, TMA). Callers pass a, b and out as for any config.
+
 Split-K walks K slices as batches: with S = split_k the kernel sees A as
 (M, K/S, S) and B as (N, K/S, S), and reduces in the kernel. Every slice
 parks its fp32 accumulators in a scratch buffer and counts itself on its
@@ -120,7 +125,9 @@ class Sm90GemmKernel:
         first mode is contiguous (an M-major output)."""
         if const_expr(self.swap_ab):
             rows, cols = c.shape
-            ct = cute.make_tensor(c.iterator, cute.make_layout((cols, rows, 1), stride=(1, c.stride[0], rows * c.stride[0])))
+            ct = cute.make_tensor(
+                c.iterator, cute.make_layout((cols, rows, 1), stride=(1, c.stride[0], rows * c.stride[0]))
+            )
             return self._operand_view(b, "tn"), self._operand_view(a, "tn"), ct
         a3, b3 = self._operand_view(a, "tn"), self._operand_view(b, self.layout)
         m, n = a.shape[0], (b.shape[0] if const_expr(self.layout == "tn") else b.shape[1])
@@ -181,7 +188,8 @@ class Sm90GemmKernel:
             sm90_utils.get_smem_layout_atom(self.c_layout, self.c_dtype, self.epi_tile[0 if m_major else 1]),
             self.c_dtype,
         )
-        c_smem = cute.tile_to_shape(c_atom, (*self.epi_tile, self.epi_stages), order=(1, 0, 2) if m_major else (0, 1, 2))
+        order = (1, 0, 2) if m_major else (0, 1, 2)
+        c_smem = cute.tile_to_shape(c_atom, (*self.epi_tile, self.epi_stages), order=order)
         return a_smem, b_smem, c_smem
 
     @staticmethod
