@@ -14,8 +14,8 @@ each pair of rungs (geometrically spaced), cuBLAS and the winners of the
 neighbouring rungs (each also under the stream-K scheduler) are re-measured
 interleaved, each call alone after an L2 flush (the latency a model's
 forward sees, not back-to-back throughput); a range a kernel takes is
-measured again at the first M of every tile row inside it (`_refine`). From those measurements `build_map` makes the
-family's M map:
+measured again at the first M of every tile row inside it (`_refine`).
+From those measurements `build_map` makes the family's M map:
 
 - at a measured M, the fastest candidate, a kernel only if it beats cuBLAS
   there by `HOLD_MARGIN` (1 %: a tie within noise goes to cuBLAS);

@@ -219,11 +219,12 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
         # much as drift between one-by-one trials: the interleaved run
         # decides between the top's neighbours, and between each other
         # shape's best and its fastest neighbour where that one led.
-        clusters = [v for v in variants if v.scheduler == top.scheduler and measured[v.name()].ok
-                    and v in families[0][1]]
+        def ran(v: GemmConfig) -> bool:
+            return v.name() in measured and measured[v.name()].ok
+
+        clusters = [v for v in families[0][1] if v.scheduler == top.scheduler and ran(v)]
         for leader, around in families[1:]:
-            runs = [v for v in around if v.name() in measured and measured[v.name()].ok]
-            best = min(runs, key=lambda v: measured[v.name()].ms, default=None)
+            best = min(filter(ran, around), key=lambda v: measured[v.name()].ms, default=None)
             if best is not None and measured[best.name()].ms < measured[leader.name()].ms:
                 clusters.append(best)
     best_rows: dict[str, TrialView] = {}
