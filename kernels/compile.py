@@ -418,26 +418,45 @@ def _sched_buf(device_index: int):
 
 
 class _SplitKScratch:
-    """The split-K scratch of one stream, shared by every split-K launch in it.
+    """The split-K (and stream-K) scratch of one stream.
 
-    Kernels leave the counters and their tile semaphores at zero, but a
-    problem with more tiles puts its semaphores where an earlier one parked
-    partials: `_zero_end` tracks the prefix still known to be zero, and a
-    launch that needs more is preceded by clearing the difference.
+    Kernels leave the counters and their tile semaphores at zero, but the
+    partials start right after the semaphores, so a problem with more tiles
+    keeps semaphores where an earlier one parked partials. Eager launches
+    share one buffer: `_zero_end` tracks the prefix still known to be zero,
+    and a launch that needs more is preceded by clearing the difference.
+
+    A CUDA graph replays its launches with no host code in between, so
+    that bookkeeping cannot cover them: a launch captured into a graph gets
+    a buffer of its own tile count, which only captured launches of that
+    count share (their semaphores and partials coincide). No buffer a graph
+    may hold is ever freed: an outgrown one is kept.
     """
 
     def __init__(self):
         self.buf = None
         self._zero_end = 0
+        self.captured: dict[int, object] = {}
+        self._outgrown: list = []
 
     def for_problem(self, device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int):
         import torch
 
         words = split_k_scratch_words(cfg, m, n, clusters)
+        tiles = split_k_tiles(cfg, m, n)
+        if torch.cuda.is_current_stream_capturing():
+            buf = self.captured.get(tiles)
+            if buf is None or buf.numel() < words:
+                if buf is not None:
+                    self._outgrown.append(buf)
+                # Allocated and zeroed inside the capture: only the prefix that
+                # must be zero, since the graph repeats the clearing every replay.
+                buf = self.captured[tiles] = torch.empty(words, dtype=torch.int32, device=f"cuda:{device_index}")
+                buf[:SPLIT_K_COUNTERS + tiles].zero_()
+            return buf
         if self.buf is None or self.buf.numel() < words:
             self.buf = torch.zeros(words, dtype=torch.int32, device=f"cuda:{device_index}")
             self._zero_end = words
-        tiles = split_k_tiles(cfg, m, n)
         semaphores_end = SPLIT_K_COUNTERS + tiles
         if self._zero_end < semaphores_end:
             self.buf[self._zero_end:semaphores_end].zero_()

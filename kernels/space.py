@@ -354,6 +354,8 @@ def split_k_partials_offset(tiles):
 def split_k_tiles(cfg: GemmConfig, m: int, n: int) -> int:
     """CTA tiles of an M x N output, padded to whole clusters: the split-K semaphores."""
     # A 2-CTA MMA tile (sm100) is two CTA tiles, each with its own semaphore.
+    if cfg.swap_ab:  # the kernel tiles out.T
+        m, n = n, m
     tiles_m = _cdiv(_cdiv(m, cfg.cta_tile_m), cfg.cluster_m) * cfg.cluster_m
     tiles_n = _cdiv(_cdiv(n, cfg.tile_n), cfg.cluster_n) * cfg.cluster_n
     return tiles_m * tiles_n
@@ -417,7 +419,8 @@ def validate(cfg: GemmConfig) -> None:
     what = "stream-K" if cfg.stream_k else "split-K"
     # The sm90 fixup beside an epilogue of 16-column sub-tiles spills
     # (128x240, layout nn: 24 bytes of stack); it keeps 32-column ones.
-    if cfg.arch == "sm90" and cfg.reduces_partials and cfg.tile_n % 32:
+    # swap_ab tiles, whose sub-tiles run along the weight rows, do not.
+    if cfg.arch == "sm90" and cfg.reduces_partials and cfg.tile_n % 32 and not cfg.swap_ab:
         raise InvalidConfig(f"{what} takes a tile_n that is a multiple of 32 on sm90, not {cfg.tile_n}")
 
     if cfg.cluster_size > MAX_CLUSTER[cfg.arch]:
@@ -430,8 +433,8 @@ def validate(cfg: GemmConfig) -> None:
             raise InvalidConfig(f"tile_n={cfg.tile_n} is for swap_ab tiles only (activation rows)")
         if cfg.swap_ab and (cfg.tile_n > 64 or cfg.tile_m not in (64, 128)):
             raise InvalidConfig("a swap_ab tile is 64 or 128 weight rows by at most 64 activation rows")
-        if cfg.swap_ab and (cfg.pingpong or cfg.reduces_partials):
-            raise InvalidConfig("swap_ab tiles are cooperative and keep K whole (no split-K, stream-K)")
+        if cfg.swap_ab and (cfg.pingpong or cfg.stream_k):
+            raise InvalidConfig("swap_ab tiles are cooperative and not stream-K")
         if cfg.pingpong and cfg.tile_m not in (64, 128):
             raise InvalidConfig(f"a pingpong tile is one warpgroup's: tile_m 64 or 128, not {cfg.tile_m}")
         # Split-K is for keys with few tiles, where a CTA rarely has a second

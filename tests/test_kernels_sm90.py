@@ -89,6 +89,10 @@ OFFLINE = [
     _v(scheduler=STATIC, tile_m=128, tile_n=32, stages=8, swizzle=4, swap_ab=True, dtype_out="fp32"),
     _v(scheduler=DYN, tile_m=64, tile_n=48, stages=8, cluster_m=2, swap_ab=True),
     _v(scheduler=SINGLE, tile_m=64, tile_n=64, stages=8, cluster_n=4, swap_ab=True, dtype_in="fp16", dtype_out="fp16"),
+    # ... and with K split: slices of the transposed tile reduce in the kernel.
+    _v(scheduler=SINGLE, tile_m=64, tile_n=16, stages=8, split_k=3, swap_ab=True),
+    _v(scheduler=STATIC, tile_m=128, tile_n=64, stages=8, split_k=2, cluster_m=2, swap_ab=True, dtype_out="fp32"),
+    _v(scheduler=DYN, tile_m=128, tile_n=48, stages=8, split_k=4, swap_ab=True),
 ]
 
 
@@ -264,15 +268,22 @@ SWAP_AB_CONFIGS = [
     GemmConfig(scheduler=DYN, tile_m=64, tile_n=48, stages=8, cluster_m=2, swap_ab=True),
     GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=64, stages=8, cluster_n=4, swap_ab=True),
     GemmConfig(scheduler=STATIC, tile_m=64, tile_n=16, stages=8, cluster_m=4, swap_ab=True),
+    GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=32, stages=8, split_k=3, swap_ab=True),
+    GemmConfig(scheduler=STATIC, tile_m=128, tile_n=64, stages=8, split_k=2, cluster_m=2, swap_ab=True),
+    GemmConfig(scheduler=DYN, tile_m=64, tile_n=32, stages=8, split_k=4, swap_ab=True),
+    GemmConfig(scheduler=SINGLE, tile_m=128, tile_n=16, stages=8, split_k=3, swap_ab=True),
+    GemmConfig(scheduler=STATIC, tile_m=128, tile_n=48, stages=8, split_k=2, swap_ab=True),
 ]
 SWAP_AB_SHAPES = [(1, 5376, 4096), (16, 8192, 5376)] + SHAPES
+SWAP_AB_SPLIT_K_SHAPES = [(1, 5376, 4608), (16, 8192, 5376)] + SPLIT_K_SHAPES
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", SWAP_AB_CONFIGS, ids=lambda c: c.name())
 def test_swap_ab_correct(cfg):
-    _check(cfg, "tn", SWAP_AB_SHAPES)
-    _check(cfg, "tn", SWAP_AB_SHAPES[:2], dtype_out="fp32")
+    shapes = SWAP_AB_SPLIT_K_SHAPES if cfg.split_k > 1 else SWAP_AB_SHAPES
+    _check(cfg, "tn", shapes)
+    _check(cfg, "tn", shapes[:2], dtype_out="fp32")
 
 
 @pytest.mark.gpu
@@ -344,7 +355,32 @@ def test_output_dtypes(cfg, dtype_out):
 def _sched_buf_is_clear() -> bool:
     """Counters and tile semaphores are back at zero (partials may stay)."""
     scratch = [s.buf[:s._zero_end] for s in kc._split_k_scratch.values() if s.buf is not None]
+    scratch += [buf[:space.SPLIT_K_COUNTERS + tiles] for s in kc._split_k_scratch.values()
+                for tiles, buf in s.captured.items()]
     return all(int(buf.abs().sum()) == 0 for buf in [*kc._sched_bufs.values(), *scratch])
+
+
+@pytest.mark.gpu
+def test_split_k_graphs_of_different_tile_counts_replay_in_any_order():
+    """Graphs captured on one stream, largest problem first: a smaller
+    problem's partials land where a larger one keeps its tile semaphores, and
+    no host code runs between replays to clear them."""
+    cfg = GemmConfig(scheduler=STATIC, tile_m=64, tile_n=128, stages=6, split_k=3)
+    runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="tn")
+    graphs = []
+    for i, (m, n, k) in enumerate([(1000, 3000, 4608), (300, 1024, 1536), (64, 256, 1536)]):
+        a, b, ref = _operands(m, n, k, "tn", seed=i)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            runner(a, b, out)
+        graphs.append((graph, out, ref, (a, b)))  # a graph does not keep its operands alive
+    for graph, out, ref, _ in graphs[::-1] * 2:
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, ref) < 2e-2
+    assert _sched_buf_is_clear()
 
 
 @pytest.mark.gpu

@@ -31,13 +31,15 @@ def test_sm90_pool_size_and_scheduler_split():
     assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
     # Clusters 1x1, 1x2, 2x1, 2x2, 1x4 and 4x1 (at most 4 CTAs).
     assert {(c.cluster_m, c.cluster_n) for c in configs} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)}
-    # swap_ab: 64 or 128 weight rows by 16 to 64 activation rows, cooperative, K whole.
+    # swap_ab: 64 or 128 weight rows by 16 to 64 activation rows, cooperative,
+    # not stream-K, K whole or split.
     swap = [c for c in configs if c.swap_ab]
     assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in (16, 32, 48, 64)}
-    assert not any(c.pingpong or c.reduces_partials for c in swap)
+    assert not any(c.pingpong or c.stream_k for c in swap)
+    assert {c.split_k for c in swap} == set(space.knobs("sm90")["split_k"])
     assert min(c.tile_n for c in configs if not c.swap_ab) == 64
     assert len(configs) - len(pingpong) - len(stream_k) - len(swap) == 71292
-    assert len(pingpong) == 16536 and len(stream_k) == 3696 and len(swap) == 8736
+    assert len(pingpong) == 16536 and len(stream_k) == 3696 and len(swap) == 43680
 
 
 @pytest.mark.parametrize(
@@ -88,7 +90,7 @@ def test_accepted(fields):
         (dict(tile_n=40), "tile_n=40"),
         (dict(swap_ab=True, tile_n=128), "at most 64 activation rows"),
         (dict(swap_ab=True, tile_m=256, tile_n=32, stages=3), "64 or 128 weight rows"),
-        (dict(swap_ab=True, tile_n=32, split_k=2), "keep K whole"),
+        (dict(swap_ab=True, tile_n=32, scheduler="stream_k"), "not stream-K"),
         (dict(swap_ab=True, tile_n=32, consumer="pingpong"), "are cooperative"),
         (dict(arch="sm100", swap_ab=True), "swap_ab=True"),
         (dict(tile_m=96), "tile_m=96"),
@@ -181,6 +183,10 @@ def test_swap_ab_takes_a_linear_weight_only():
             space.check_problem(swap, 16, 5376, 4096, **problem)
     assert GemmConfig.from_name(swap.name()) == swap and swap.name().endswith("-ab")
     assert swap.m_rows == 16 and GemmConfig().m_rows == 128  # a tile row of M: its activation rows
+    # Split-K semaphores count the tiles of out.T: 84 weight-row tiles by one of the 9 rows.
+    split = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=32, stages=8, split_k=3, swap_ab=True)
+    assert space.split_k_tiles(split, 9, 5376) == 84
+    assert space.split_k_scratch_words(split, 9, 5376) == space.split_k_partials_offset(84) + 84 * 3 * 64 * 32
 
 
 def test_split_k_scratch_must_stay_int32_indexable():
