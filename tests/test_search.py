@@ -152,12 +152,7 @@ def test_a_few_row_key_starts_from_swap_ab_seeds(tmp_path):
     backend = MeasuredBackend("sm90")
     key = Key("sm90", backend.device_name, Problem(4, 5376, 4096))
     seeds = swap_seeds(key)
-    # 42 weight tiles of 128 rows: K split 3 ways would fill 126 SMs, but
-    # 4096 does not split in 3 slices of whole 16 bytes, so 2.
-    assert [(c.tile_m, c.tile_n, c.split_k, c.swap_ab) for c in seeds] == [
-        (64, 16, 1, True), (128, 16, 1, True), (128, 16, 2, True)]
-    wide = swap_seeds(Key("sm90", "dev", Problem(4, 43008, 5376)))
-    assert [c.split_k for c in wide] == [1, 1]
+    assert [(c.tile_m, c.tile_n, c.swap_ab) for c in seeds] == [(64, 16, True), (128, 16, True)]
     tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=12))
     assert set(seeds) <= set(backend.measured[:12])
     assert swap_seeds(Key("sm90", "dev", Problem(65, 5376, 4096))) == []
@@ -256,9 +251,9 @@ def test_pingpong_samples_draw_only_pingpong_tiles_and_never_split_k():
     # At the shallowest pipeline every pingpong sample is a config: none is
     # pruned for a tile or a split it cannot have.
     assert all(space.is_valid({**f, "stages": 2}) for f in pingpong)
-    # swap_ab samples (cooperative, not stream-K) draw a swap tile and a split.
+    # swap_ab samples (cooperative, not stream-K) draw a swap tile and no split.
     swap = [f for f in drawn if f.get("swap_ab")]
-    assert swap and all("split_k" in f and f["consumer"] == "cooperative" for f in swap)
+    assert swap and all("split_k" not in f and f["consumer"] == "cooperative" for f in swap)
     assert all(space.is_valid({**f, "stages": 2}) for f in swap)
 
 

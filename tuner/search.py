@@ -313,7 +313,7 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
     to sample and store. Pingpong consumers draw their tile from the tiles
     one warpgroup holds ("pingpong_tile") and never split K, so that a
     pingpong sample is not pruned for a tile or a split it cannot have;
-    swap_ab draws its tile from "swap_tile" (weight rows x activation rows);
+    swap_ab tiles ("swap_tile": weight rows x activation rows) likewise;
     stream-K, which splits K itself and reduces the shared tiles in the
     cooperative consumers' registers, draws neither a consumer, a swap nor
     a split.
@@ -333,7 +333,7 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
     for name, choices in choices_.items():
         if name in ("consumer", "swap_ab") or name in _TILE_PARAMS and name != tile:
             continue
-        if name == "split_k" and (pingpong or stream_k):
+        if name == "split_k" and (pingpong or stream_k or swap):
             continue
         if name == "sched_depth" and sched not in ("dynamic_persistent", "clc"):
             continue
@@ -451,28 +451,18 @@ def swap_seeds(key: Key) -> list[GemmConfig]:
     at their deepest pipeline. The model prices them above split-K there,
     which the H100 reversed (27B qkv at M = 1, one tuning run: 64x16 swap_ab
     0.0325 ms, cuBLAS 0.0317, the model's split-K picks 0.040-0.044), so
-    they are measured whatever the model says.
-
-    A weight of fewer 128-row tiles than half the SMs also gets the 128-row
-    config with K split as many ways as one wave holds (27B down, 42 tiles:
-    split 3 ran 1.5 % faster than whole K at M = 32 on an H100)."""
-    from tuner.model import DEVICES
-
+    they are measured whatever the model says."""
     p = key.problem
     knobs = space.knobs(key.arch)
     if True not in knobs["swap_ab"] or p.m > SWAP_SEED_MAX_M:
         return []
     tile_n = min(t for t in knobs["tile_n"] if t >= p.m and t >= 16)
-    fields = dict(arch=key.arch, scheduler="single_tile", tile_n=tile_n, swap_ab=True)
-    out = [_deepest({**fields, "tile_m": tile_m}) for tile_m in (64, 128)]
-    tiles = -(-p.n // 128)
-    splits = [s for s in knobs["split_k"] if 1 < s and tiles * s <= DEVICES[key.arch].sms]
-    for split in sorted(splits, reverse=True):
-        cfg = _deepest({**fields, "tile_m": 128, "split_k": split})
+    out = []
+    for tile_m in (64, 128):
+        cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=tile_n, swap_ab=True))
         if cfg is not None and p.runs(cfg):
             out.append(cfg)
-            break
-    return [c for c in out if c is not None and p.runs(c)]
+    return out
 
 
 def _wave_fit_config(key: Key) -> GemmConfig | None:
