@@ -4,7 +4,7 @@ patched (`tuner.patch`), eager and under torch.compile.
     python -m bench.e2e --db DB [--tune gpu|model|none] [--tune-only] [--trials N]
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024] [--decode 1,16] [--steps 64] [--prompt 128]
-                        [--rounds 100] [--decode-rounds 10] [--modes eager,compiled]
+                        [--rounds 300] [--decode-rounds 20] [--modes eager,compiled]
                         [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
@@ -34,7 +34,9 @@ downloaded).
    each variant on its own KV cache (pairing step by step cancels drift over
    a loop, which pairing whole loops left in: a patched model that ran no
    kernel measured 0.96-1.04x). The speedup is patched over unpatched
-   tokens/s, a trimmed mean of the paired log ratios (as `bench.dynamic_m`).
+   tokens/s from the paired log ratios, the pairs where patched ran first
+   and those where it ran second averaged apart (`paired_speedup`), with
+   its standard error.
 3. Outputs: patched logits against unpatched ones (relative Frobenius error of
    the prefill logits and of the first decode step's) and the share of
    greedy decode tokens that agree.
@@ -123,23 +125,48 @@ def _timed(fn) -> float:
 
 
 def _paired(trial, rounds: int) -> dict:
-    """Seconds per sample of each variant and the speedup. `trial(order)`
-    runs the variants in `order` and returns {variant: [seconds, ...]}, lists
-    of one length whose i-th samples pair up; rounds alternate the order."""
-    times = {v: [] for v in VARIANTS}
+    """Seconds per sample of each variant and the speedup (`paired_speedup`).
+    `trial(order)` runs the variants, `order` first, and returns the pairs
+    (unpatched s, patched s, whether patched ran first); rounds alternate
+    the order."""
+    pairs = []
     for _ in range(2):  # warm-up: compiles, decides and builds
         trial(VARIANTS)
     gc.collect()
     gc.disable()  # a collection inside one variant's run is host noise the other does not pay
     try:
         for r in range(rounds):
-            for v, samples in trial(VARIANTS if r % 2 == 0 else VARIANTS[::-1]).items():
-                times[v] += samples
+            pairs += trial(VARIANTS if r % 2 == 0 else VARIANTS[::-1])
     finally:
         gc.enable()
-    logs = [math.log(u / p) for u, p in zip(times["unpatched"], times["patched"], strict=True)]
-    return {"s": {v: trimmed_mean(t) for v, t in times.items()}, "speedup": math.exp(trimmed_mean(logs)),
-            "spread": statistics.pstdev(logs), "samples": len(logs)}
+    times = {"unpatched": [u for u, _, _ in pairs], "patched": [p for _, p, _ in pairs]}
+    return {"s": {v: trimmed_mean(t) for v, t in times.items()}, **paired_speedup(pairs)}
+
+
+def paired_speedup(pairs: list[tuple[float, float, bool]]) -> dict:
+    """Patched over unpatched speed from (unpatched s, patched s, patched
+    ran first) pairs: the log ratios of each order are averaged apart
+    (trimmed means), then the two orders weigh alike. Whichever variant runs
+    second in a pair tends to run at other clocks than the first, so the
+    log ratios of the two orders form two modes; averaging each alone keeps
+    that order effect out of the estimate and out of its standard error.
+    Returns the speedup, its standard error from each order's sample
+    variance (in log units: 0.002 is 0.2 %),
+    the order effect (log of how much faster the second of a pair runs),
+    the spread of all log ratios and the sample count."""
+    logs = {first: [math.log(u / p) for u, p, f in pairs if f == first] for first in (True, False)}
+    if not all(len(v) > 1 for v in logs.values()):
+        raise ValueError("paired_speedup needs at least two pairs of each order")
+    means = {first: trimmed_mean(v) for first, v in logs.items()}
+    se = 0.5 * math.sqrt(sum(statistics.variance(v) / len(v) for v in logs.values()))
+    return {"speedup": math.exp((means[True] + means[False]) / 2), "log_se": se,
+            "order_effect": (means[False] - means[True]) / 2,
+            "spread": statistics.pstdev(logs[True] + logs[False]), "samples": len(pairs)}
+
+
+def _speed(timing: dict) -> dict:
+    return {"speedup": timing["speedup"], "log_se": timing["log_se"], "order_effect": timing["order_effect"],
+            "log_spread": timing["spread"], "pairs": timing["samples"]}
 
 
 def _modes(models: dict, modes: list[str]):
@@ -194,13 +221,17 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
             head = batch if batch == 1 else None
             case = {"batch": batch, "seq": seq, "kernel_calls": _kernel_calls(spans, linears, batch * seq, head)}
             want = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+            def run(fn, ids=ids):
+                return fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+
             for mode, fns in _modes(models, args.modes):
-                run = lambda fn: fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits  # noqa: E731
-                timing = _paired(lambda order: {v: [_timed(lambda: run(fns[v]))] for v in order},  # noqa: B023
-                                 args.rounds)
+                def trial(order, fns=fns):
+                    s = {v: _timed(lambda v=v: run(fns[v])) for v in order}
+                    return [(s["unpatched"], s["patched"], order[0] == "patched")]
+
+                timing = _paired(trial, args.rounds)
                 case[mode] = {
-                    "tokens_per_s": {v: batch * seq / s for v, s in timing["s"].items()},
-                    "speedup": timing["speedup"], "log_spread": timing["spread"],
+                    "tokens_per_s": {v: batch * seq / s for v, s in timing["s"].items()}, **_speed(timing),
                     "rel_err": _rel_err(run(fns["patched"]), want),
                 }
             _report(name, f"prefill {batch}x{seq}", case)
@@ -258,19 +289,21 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
             for v in VARIANTS:
                 prefill(v)
             token = dict.fromkeys(VARIANTS, first)
-            samples = {v: [] for v in VARIANTS}
+            pairs = []
             for i, pos in enumerate(positions):
-                for v in order if i % 2 == 0 else order[::-1]:
+                this = order if i % 2 == 0 else order[::-1]
+                s = {}
+                for v in this:
                     def greedy(v=v, pos=pos):
                         token[v] = step(fns[v], v, token[v], pos).argmax(-1, keepdim=True)
-                    samples[v].append(_timed(greedy))
-            return samples
+                    s[v] = _timed(greedy)
+                pairs.append((s["unpatched"], s["patched"], this[0] == "patched"))
+            return pairs
 
         timing = _paired(trial, args.decode_rounds)
         logits, tokens = loop(fns["patched"], "patched")
         case[mode] = {
-            "tokens_per_s": {v: batch / s for v, s in timing["s"].items()},
-            "speedup": timing["speedup"], "log_spread": timing["spread"], "paired_steps": timing["samples"],
+            "tokens_per_s": {v: batch / s for v, s in timing["s"].items()}, **_speed(timing),
             "rel_err": _rel_err(logits, want_logits),
             "token_agreement": (tokens == want_tokens).float().mean().item(),
         }
@@ -283,7 +316,8 @@ def _report(name: str, label: str, case: dict) -> None:
         if mode in case:
             c, (hits, calls) = case[mode], case["kernel_calls"][mode]
             parts.append(f"{mode} kernels {hits}/{calls} {c['tokens_per_s']['unpatched']:9.0f} -> "
-                         f"{c['tokens_per_s']['patched']:9.0f} tok/s x{c['speedup']:.3f} err {c['rel_err']:.1e}")
+                         f"{c['tokens_per_s']['patched']:9.0f} tok/s x{c['speedup']:.3f} "
+                         f"(2 se {2 * c['log_se']:.3f}) err {c['rel_err']:.1e}")
     print(" | ".join(parts), file=sys.stderr)
 
 
@@ -322,8 +356,8 @@ def main() -> None:
     parser.add_argument("--decode", type=lambda t: [int(v) for v in t.split(",")], default=[1, 16])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=100, help="Paired forwards per prefill case.")
-    parser.add_argument("--decode-rounds", type=int, default=10,
+    parser.add_argument("--rounds", type=int, default=300, help="Paired forwards per prefill case.")
+    parser.add_argument("--decode-rounds", type=int, default=20,
                         help="Rounds of --steps paired steps per decode case.")
     parser.add_argument("--modes", type=lambda t: t.split(","), default=["eager", "compiled"],
                         help="eager, compiled or both (comma-separated).")

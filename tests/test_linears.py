@@ -3,6 +3,7 @@
 device, or named as package.module:attr."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -124,3 +125,29 @@ def test_the_e2e_bench_tunes_the_m_its_runs_call():
         ms.setdefault(e.name, set()).add(e.problem.m)
     assert ms["llama-3.1-8b.lm_head"] == {1, 4, 16}  # the last position's logits: one row per sequence
     assert ms["llama-3.1-8b.down_proj"] == {1, 16, 512, 1024}
+
+
+def test_the_e2e_speedup_keeps_the_order_effect_out():
+    """Whichever variant runs second runs 10 % faster here, and patched is
+    truly 1 % faster: the estimate is 1.01, the order effect 10 %, and the
+    standard error that of the noise alone, not of the order's two modes."""
+    import random
+
+    from bench.e2e import paired_speedup
+
+    rng = random.Random(0)
+    pairs = []
+    for i in range(400):
+        patched_first = i % 2 == 0
+        u, p = 1.0, 1 / 1.01
+        if patched_first:
+            u /= 1.1
+        else:
+            p /= 1.1
+        pairs.append((u * math.exp(rng.gauss(0, 0.005)), p * math.exp(rng.gauss(0, 0.005)), patched_first))
+    got = paired_speedup(pairs)
+    assert got["speedup"] == pytest.approx(1.01, abs=1e-3)
+    assert got["order_effect"] == pytest.approx(math.log(1.1), abs=1e-3)
+    assert got["log_se"] < 1e-3 < got["spread"]
+    with pytest.raises(ValueError, match="two pairs of each order"):
+        paired_speedup(pairs[:1] + pairs[1::2])

@@ -42,7 +42,7 @@ import math
 import threading
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -515,22 +515,35 @@ def _torch_product(a, b, offs, dtype_out):
 
 # ---------------------------------------------------------------- the op
 
+# Defined through `torch.library.Library`, not `torch.library.custom_op`:
+# custom_op wraps every call in Python autograd and aliasing checks, about
+# 15 us of host time per call on the H100's host (`bench.dispatch`), which a
+# compiled decode step pays on every tuned linear. Forward only, as `gemm`
+# is: no autograd kernel (`tuner.patch` sends calls that need one to
+# F.linear).
+_LIB = torch.library.Library("gemm_tuner", "DEF")
+_LIB.define("gemm(Tensor a, Tensor b, Tensor? offs=None) -> Tensor")
+_LIB.define("gemm_out(Tensor a, Tensor b, Tensor(a!) out, Tensor? offs=None) -> ()")
 
-@torch.library.custom_op("gemm_tuner::gemm", mutates_args=())
-def _gemm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = None) -> torch.Tensor:
+
+def _gemm_op(a, b, offs=None):
     return _run(a, b, None, offs)
 
 
-@_gemm_op.register_fake
+def _gemm_out_op(a, b, out, offs=None):
+    _run(a, b, out, offs)
+
+
+for _backend in ("CPU", "CUDA"):
+    _LIB.impl("gemm", _gemm_op, _backend)
+    _LIB.impl("gemm_out", _gemm_out_op, _backend)
+
+
+@torch.library.register_fake("gemm_tuner::gemm", lib=_LIB)
 def _(a, b, offs=None):
     return a.new_empty((a.shape[0], b.shape[-1]))
 
 
-@torch.library.custom_op("gemm_tuner::gemm_out", mutates_args=("out",))
-def _gemm_out_op(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offs: Optional[torch.Tensor] = None) -> None:
-    _run(a, b, out, offs)
-
-
-@_gemm_out_op.register_fake
+@torch.library.register_fake("gemm_tuner::gemm_out", lib=_LIB)
 def _(a, b, out, offs=None):
     return None
