@@ -517,7 +517,7 @@ def _torch_product(a, b, offs, dtype_out):
 
 # Defined through `torch.library.Library`, not `torch.library.custom_op`:
 # custom_op wraps every call in Python autograd and aliasing checks, about
-# 15 us of host time per call on the H100's host (`bench.dispatch`), which a
+# 11 us of host time per call on the H100's host (`bench.dispatch`), which a
 # compiled decode step pays on every tuned linear. Forward only, as `gemm`
 # is: no autograd kernel (`tuner.patch` sends calls that need one to
 # F.linear).
