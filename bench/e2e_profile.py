@@ -30,13 +30,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.e2e import _pairs
+from bench.e2e import _pairs, _rel_err, _timed
 from bench.kernels_sm90 import device_slug
 from kernels.compile import get_kernel
 from kernels.space import GemmConfig
@@ -129,16 +128,11 @@ def run(args: argparse.Namespace) -> dict:
     with torch.inference_mode():
         fns = {v: (lambda model=model: model(input_ids=ids, logits_to_keep=1, use_cache=False).logits)
                for v, model in models.items()}
-        want = fns["unpatched"]()
-        record["rel_err"] = ((fns["patched"]() - want).float().norm() / want.float().norm()).item()
+        record["rel_err"] = _rel_err(fns["patched"](), fns["unpatched"]())
         wall = {v: [] for v in fns}
         for r in range(args.rounds):
             for v in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                fns[v]()
-                torch.cuda.synchronize()
-                wall[v].append(1e3 * (time.perf_counter() - start))
+                wall[v].append(1e3 * _timed(fns[v]))
         for v, fn in fns.items():
             rows = _kernel_times(fn)
             record["variants"][v] = {"forward_ms": statistics.median(wall[v]),
