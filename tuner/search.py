@@ -456,7 +456,7 @@ def swap_seeds(key: Key) -> list[GemmConfig]:
     knobs = space.knobs(key.arch)
     if True not in knobs["swap_ab"] or p.m > SWAP_SEED_MAX_M:
         return []
-    tile_n = min(t for t in knobs["tile_n"] if t >= p.m and t >= 16)
+    tile_n = min(t for t in knobs["tile_n"] if t >= p.m)
     out = []
     for tile_m in (64, 128):
         cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=tile_n, swap_ab=True))
