@@ -46,8 +46,11 @@ TOP = 12  # kernels listed per variant
 
 def _kernel(text: str) -> tuple[tuple[int, int], GemmConfig]:
     shape, _, name = text.partition("=")
-    n, k = (int(v) for v in shape.split("x"))
-    return (n, k), GemmConfig.from_name(name)
+    try:
+        n, k = (int(v) for v in shape.split("x"))
+        return (n, k), GemmConfig.from_name(name)
+    except ValueError as exc:  # InvalidConfig included
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NxK=CONFIG_NAME ({exc})") from exc
 
 
 def _wire(model: torch.nn.Module, runners: dict) -> int:
@@ -164,6 +167,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
+    if len(args.prefill) != 1:
+        parser.error("--prefill takes one batch x seq")
     record = run(args)
     print(report(record))
     out = Path(os.environ.get("OUT") or args.out)

@@ -151,3 +151,16 @@ def test_the_e2e_speedup_keeps_the_order_effect_out():
     assert got["log_se"] < 1e-3 < got["spread"]
     with pytest.raises(ValueError, match="two pairs of each order"):
         paired_speedup(pairs[:1] + pairs[1::2])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prefill", "1x512,4x1024", "--kernel", "8x8=sm90-static_persistent-t128x128-c1x1-s4-w4m"],
+     "--prefill takes one batch x seq"),
+    (["--prefill", "1x512", "--kernel", "8x8=sm90-bogus"], "'8x8=sm90-bogus': expected NxK=CONFIG_NAME"),
+    (["--prefill", "1x512", "--kernel", "eightxeight=sm90-static_persistent-t128x128-c1x1-s4-w4m"],
+     "expected NxK=CONFIG_NAME"),
+])
+def test_the_e2e_profile_names_bad_arguments(args, message):
+    proc = subprocess.run([sys.executable, "-m", "bench.e2e_profile", "--model", "gemma-3-27b", *args],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
