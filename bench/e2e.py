@@ -4,7 +4,8 @@ patched (`tuner.patch`), eager and under torch.compile.
     python -m bench.e2e --db DB [--tune gpu|model|none] [--tune-only] [--trials N]
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024] [--decode 1,16] [--steps 64] [--prompt 128]
-                        [--rounds 300] [--decode-rounds 20] [--modes eager,compiled]
+                        [--rounds 300] [--decode-rounds 20] [--check-rounds 30]
+                        [--modes eager,compiled]
                         [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
@@ -17,7 +18,11 @@ downloaded).
    batch of each decode; lm_head: the batches only, as the logits are those of
    the last position) is tuned into DB with `tuner tune --backend B`, ladders
    on (a rerun skips what is current). `--tune-only` stops there.
-2. Runs, per model: prefill at each batch x seq (one forward of the prompt,
+2. Check: each model's patched copy is checked (`tuner.check`) on one forward
+   of each prefill case and one decode step at each batch, `--check-rounds`
+   rounds, as a user checks on their own workload: eager kernel intervals
+   whose kernel did not win inside the forward go back to cuBLAS.
+3. Runs, per model: prefill at each batch x seq (one forward of the prompt,
    no cache, logits of the last position; tokens/s = batch x seq / time) and
    decode at each batch (`--steps` greedy one-token steps into a static KV
    cache after a `--prompt`-token prefill that is not timed; tokens/s =
@@ -37,22 +42,23 @@ downloaded).
    tokens/s from the paired log ratios, the pairs where patched ran first
    and those where it ran second averaged apart (`paired_speedup`), with
    its standard error.
-3. Outputs: patched logits against unpatched ones (relative Frobenius error of
+4. Outputs: patched logits against unpatched ones (relative Frobenius error of
    the prefill logits and of the first decode step's) and the share of
    greedy decode tokens that agree.
 
 Writes `<out>/<device-slug>-e2e[-MODELS][-MODES].json` (`$OUT` instead of
 `--out` when set; the suffixes name a subset of models or modes, and the file
 is rewritten after every case, so a run cut short keeps what it measured):
-per model and case the tokens/s of each variant, the speedup, the errors,
-and how many linear calls of a forward may run a tuned kernel (their M inside
-their family's kernel intervals).
+per model what the check measured, and per case the tokens/s of each
+variant, the speedup, the errors, and how many linear calls of a forward may
+run a tuned kernel (their M inside their family's kernel intervals).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -70,9 +76,9 @@ import torch
 from bench.dynamic_m import compile_choices
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner import dispatch, patch
+from tuner import check, dispatch, patch
 from tuner.linears import build_model, linear_shapes
-from tuner.measure import trimmed_mean
+from tuner.measure import paired_speedup, trimmed_mean
 from tuner.patch import host_costs
 
 MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
@@ -143,27 +149,6 @@ def _paired(trial, rounds: int) -> dict:
     return {"s": {v: trimmed_mean(t) for v, t in times.items()}, **paired_speedup(pairs)}
 
 
-def paired_speedup(pairs: list[tuple[float, float, bool]]) -> dict:
-    """Patched over unpatched speed from (unpatched s, patched s, patched
-    ran first) pairs: the log ratios of each order are averaged apart
-    (trimmed means), then the two orders weigh alike. Whichever variant runs
-    second in a pair tends to run at other clocks than the first, so the
-    log ratios of the two orders form two modes; averaging each alone keeps
-    that order effect out of the estimate and out of its standard error.
-    Returns the speedup, its standard error from each order's sample
-    variance (in log units: 0.002 is 0.2 %),
-    the order effect (log of how much faster the second of a pair runs),
-    the spread of all log ratios and the sample count."""
-    logs = {first: [math.log(u / p) for u, p, f in pairs if f == first] for first in (True, False)}
-    if not all(len(v) > 1 for v in logs.values()):
-        raise ValueError("paired_speedup needs at least two pairs of each order")
-    means = {first: trimmed_mean(v) for first, v in logs.items()}
-    se = 0.5 * math.sqrt(sum(statistics.variance(v) / len(v) for v in logs.values()))
-    return {"speedup": math.exp((means[True] + means[False]) / 2), "log_se": se,
-            "order_effect": (means[False] - means[True]) / 2,
-            "spread": statistics.pstdev(logs[True] + logs[False]), "samples": len(pairs)}
-
-
 def _speed(timing: dict) -> dict:
     return {"speedup": timing["speedup"], "log_se": timing["log_se"], "order_effect": timing["order_effect"],
             "log_spread": timing["spread"], "pairs": timing["samples"]}
@@ -197,21 +182,25 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     torch.manual_seed(0)
     model = build_model(name, num_layers=args.layers, device=DEVICE, dtype=torch.bfloat16)
     tuned = copy.deepcopy(model)
+    families = [{"n": s.n, "k": s.k, "names": list(s.names)} for s in linear_shapes(model)]
+    print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in families])} kernels", file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         patch(tuned)
+        checked = check(tuned, _workload(tuned, args), rounds=args.check_rounds) if args.check_rounds else []
+    for c in checked:
+        print(f"{name:12s} check {c.n}x{c.k} M={c.m}: x{c.speedup:.3f} (2 se {2 * c.log_se:.3f}) "
+              f"{'kept' if c.kept else 'to cuBLAS'}", file=sys.stderr)
     models = {"unpatched": model, "patched": tuned}
     spans = {name: (m.tuner_spans, m.tuner_compiled_spans) for name, m in tuned.named_modules()
              if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     record = {"model": name, "layers": args.layers, "patch_warnings": [str(w.message) for w in caught],
-              "families": [{"n": s.n, "k": s.k, "names": list(s.names)} for s in linear_shapes(model)],
+              "families": families, "check": [dataclasses.asdict(c) for c in checked],
               "kernel_spans": {name: {"eager": [list(span) for span in s[0]], "compiled": [list(span) for span in s[1]]}
                                for name, s in spans.items()},
               "host_cost_us": dict(zip(("eager", "compiled"), host_costs() or ())),
               "prefill": [], "decode": []}
-    print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in record['families']])} kernels",
-          file=sys.stderr)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     with torch.inference_mode():
@@ -246,6 +235,26 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return record
+
+
+def _workload(model, args: argparse.Namespace):
+    """`check`'s workload: one forward of each prefill case and one decode
+    step at each batch (into a cache of its own), on inputs of their own."""
+    from transformers import StaticCache
+
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    prompts = [torch.randint(0, vocab, (b, s), device=DEVICE, generator=gen) for b, s in args.prefill]
+    steps = [(torch.randint(0, vocab, (b, 1), device=DEVICE, generator=gen),
+              StaticCache(config=model.config, max_cache_len=args.prompt + 1)) for b in args.decode]
+    position = torch.tensor([args.prompt], device=DEVICE)
+
+    def run():
+        for ids in prompts:
+            model(input_ids=ids, logits_to_keep=1, use_cache=False)
+        for token, cache in steps:
+            model(input_ids=token, past_key_values=cache, cache_position=position)
+    return run
 
 
 def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
@@ -359,6 +368,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300, help="Paired forwards per prefill case.")
     parser.add_argument("--decode-rounds", type=int, default=20,
                         help="Rounds of --steps paired steps per decode case.")
+    parser.add_argument("--check-rounds", type=int, default=30,
+                        help="Rounds of tuner.check on one call of each case after patching (0: no check).")
     parser.add_argument("--modes", type=lambda t: t.split(","), default=["eager", "compiled"],
                         help="eager, compiled or both (comma-separated).")
     parser.add_argument("--out", default="bench/results")

@@ -133,7 +133,7 @@ def test_the_e2e_speedup_keeps_the_order_effect_out():
     standard error that of the noise alone, not of the order's two modes."""
     import random
 
-    from bench.e2e import paired_speedup
+    from tuner.measure import paired_speedup
 
     rng = random.Random(0)
     pairs = []

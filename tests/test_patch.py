@@ -2,6 +2,7 @@
 
 import importlib
 import math
+import time
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ from torch import nn
 
 from db.store import Store
 from kernels import space
-from tuner import dispatch, patch, patched, unpatch
+from tuner import check, dispatch, patch, patched, unpatch
 from tuner._gpu_worker import versions
 from tuner.key import Key, Problem
 from tuner.lookup import Span, kernel_spans
@@ -203,6 +204,90 @@ def test_untuned_shapes_are_named_in_one_warning(monkeypatch):
         patch(_net(), bias=True)
 
 
+class _HostEvent:
+    """A `torch.cuda.Event` on the host's clock, for `check` on CPU weights."""
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return 1e3 * (end.at - self.at)
+
+
+@pytest.fixture
+def slow(spy, monkeypatch):
+    """The spy's layers with `check`'s events on the host clock, and a sleep
+    of the seconds given per (path, N, M) on the kernel ('kernel': gemm) or
+    cuBLAS ('cublas': F.linear) path."""
+    _, spans = spy
+    sleeps = {}
+    linear = nn.functional.linear
+
+    def gemm(a, b, out=None, *, offs=None):
+        time.sleep(sleeps.get(("kernel", b.shape[1], a.shape[0]), 0))
+        return torch.mm(a, b)
+
+    def slow_linear(x, w, b=None):
+        time.sleep(sleeps.get(("cublas", w.shape[0], x.numel() // w.shape[1]), 0))
+        return linear(x, w, b)
+
+    monkeypatch.setattr(dispatch, "gemm", gemm)
+    monkeypatch.setattr(nn.functional, "linear", slow_linear)
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return spans, sleeps
+
+
+def test_check_keeps_a_kernel_only_where_it_won_inside_the_forward(slow):
+    spans, sleeps = slow
+    spans.update({(128, 64): ((1, 8), (100, 200)), (32, 128): ((1, 8),)})
+    # (128, 64): the kernel wins at M = 2 and 150, loses at 6; (32, 128) loses at both M it sees.
+    sleeps.update({("cublas", 128, 2): 2e-3, ("kernel", 128, 6): 2e-3, ("cublas", 128, 150): 2e-3,
+                   ("kernel", 32, 2): 2e-3, ("kernel", 32, 6): 2e-3})
+    net = _net()
+    patch(net, bias=True)
+    xs = [torch.randn(m, 64, dtype=torch.bfloat16) for m in (2, 6, 150)]
+    found = check(net, lambda: [net(x) for x in xs], rounds=8)
+    assert [(c.n, c.m, c.kept) for c in found] == [
+        (32, 2, False), (32, 6, False), (128, 2, True), (128, 6, False), (128, 150, True)]
+    assert all(c.k == (64 if c.n == 128 else 128) and c.dtype == "bf16" for c in found)
+    winner = next(c for c in found if (c.n, c.m) == (128, 2))
+    assert winner.speedup > 2 and 0 < winner.log_se < 0.2
+    # M = 2 stands for 1-3 (the geometric mean of 2 and 6 is 3.5), 6 for 4-8.
+    assert net[0].tuner_spans == ((1, 3), (100, 200))
+    # Compiled graphs keep their intervals: an eager forward says nothing of them.
+    assert net[2].tuner_spans == () and net[2].tuner_compiled_spans == ((1, 8),)
+    assert type(net[3]) is not TunedLinear
+
+
+def test_check_refuses_too_few_rounds_and_warns_when_nothing_was_checked(slow):
+    spans, _ = slow
+    spans[(128, 64)] = ((1, 8),)
+    net = _net()
+    patch(net, bias=True)
+    with pytest.raises(ValueError, match="rounds=3: the estimate needs at least 4"):
+        check(net, lambda: None, rounds=3)
+    with pytest.warns(PatchWarning, match="no call inside a patched layer's eager kernel intervals"):
+        assert check(net, lambda: net(torch.randn(20, 64, dtype=torch.bfloat16)), rounds=4) == []
+    assert net[0].tuner_spans == ((1, 8),)
+
+
+@pytest.mark.parametrize("spans, verdicts, want", [
+    (((1, 8), (100, 200)), {}, ((1, 8), (100, 200))),  # nothing checked: as they were
+    (((1, 8),), {2: True, 6: False}, ((1, 3),)),
+    (((1, 8),), {2: False, 6: True}, ((4, 8),)),
+    (((1, 64),), {2: True, 8: False, 32: True}, ((1, 4), (17, 64))),  # cuts at 4 and 16
+    (((1, 64),), {2: True, 8: True}, ((1, 64),)),  # kept pieces merge
+    (((1, 8), (9, 16)), {4: False, 12: True}, ((9, 16),)),
+])
+def test_trim_gives_a_lost_m_its_stretch_to_the_next_checked_m(spans, verdicts, want):
+    assert patch_module._trim(spans, verdicts) == want
+
+
 def test_kernel_spans_from_a_real_store(tmp_path):
     store = Store(str(tmp_path / "w.db"))
     cfg = space.defaults("sm90")["static_persistent"]
@@ -294,6 +379,26 @@ def test_patched_model_matches_unpatched_and_runs_the_kernels(tiny):
             assert torch.equal(tiny(ids).logits, got)
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     assert dispatch.explain(x, tiny.model.layers[0].self_attn.q_proj.weight.t()).path == "kernel"
+    assert _rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_check_times_every_patched_shape_inside_the_forward_and_keeps_its_verdicts(tiny):
+    ids = torch.randint(0, TINY["vocab_size"], (2, 64), device="cuda")
+    layers = {m: (m.out_features, m.in_features) for m in tiny.modules() if isinstance(m, nn.Linear)}
+    with torch.inference_mode():
+        want = tiny(ids).logits
+        with warnings.catch_warnings(), patched(tiny):
+            _strict()
+            found = check(tiny, lambda: tiny(ids), rounds=6)
+            got = tiny(ids).logits
+            # One verdict per shape, at the forward's M = 2 x 64 (the logits of every position too).
+            assert sorted((c.n, c.k) for c in found) == sorted(set(layers.values()))
+            assert all(c.m == 128 and c.speedup > 0 and c.log_se >= 0 for c in found)
+            kept = {(c.n, c.k): c.kept for c in found}
+            for layer, shape in layers.items():
+                assert type(layer) is TunedLinear  # compiled intervals are left as they were
+                assert layer.tuner_spans == (((1, 1 << 16),) if kept[shape] else ())
     assert _rel_err(got, want) < 2e-2
 
 

@@ -1,7 +1,8 @@
 """Scheduler-aware GEMM autotuning: `gemm` runs the tuned kernel for a shape,
 `explain` says which one and why, `lookup` finds a key's winner in a store,
 `patch(model)` (or `with patched(model):`) runs a model's linear layers
-through `gemm` and `unpatch(model)` undoes it.
+through `gemm`, `check(model, workload)` keeps them on the kernels only where
+those win inside the model's forward, and `unpatch(model)` undoes it.
 
 The names load on first use: `import tuner` stays cheap (no torch, no
 database driver) for the command line and the HTTP service.
@@ -15,7 +16,7 @@ import types
 
 _EXPORTS = {
     "gemm": "tuner.dispatch", "explain": "tuner.dispatch", "lookup": "tuner.lookup",
-    "patch": "tuner.patch", "unpatch": "tuner.patch", "patched": "tuner.patch",
+    "patch": "tuner.patch", "unpatch": "tuner.patch", "patched": "tuner.patch", "check": "tuner.patch",
 }
 __all__ = sorted(_EXPORTS)
 

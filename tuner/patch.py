@@ -2,6 +2,7 @@
 
     import tuner
     tuner.patch(model)          # bf16/fp16 CUDA nn.Linear layers: tuned kernels where they won
+    tuner.check(model, lambda: model(x))  # optional: keep them only where they win in this forward
     with tuner.patched(model):  # ... or only inside the block
         model(...)
 
@@ -38,6 +39,10 @@ op, not both; CUDA graph capture works once each key has been called before
 capturing. Patch again after retuning or `dispatch.configure` to read the
 new choices.
 
+The maps timed each GEMM alone. `check(model, workload)` times the patched
+layers inside the model's own forward, kernel against `F.linear`, and takes
+back the eager intervals where the kernel did not win there (its doc).
+
 Calls that need autograd (grad enabled and a weight that requires grad),
 inputs of another dtype than the weight (autocast) and inputs whose rows are
 strided (the last position of each sequence, taken for the logits) run
@@ -51,13 +56,16 @@ import contextlib
 import math
 import time
 import warnings
-from typing import Iterator
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tuner import dispatch
+from tuner.measure import paired_speedup
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
@@ -65,6 +73,9 @@ _ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
 _COST_CALLS, _COST_BATCHES = 20, 15
 # Per CUDA device: (eager, compiled) host us per call the kernel path adds.
 _host_costs: dict[int, tuple[float, float]] = {}
+# `check`: runs of the workload per path (after a warm-up run of each), and
+# how many standard errors above 1.0 a kept kernel's in-model speedup must be.
+_CHECK_ROUNDS, _CHECK_SE = 30, 2.0
 
 
 class PatchWarning(UserWarning):
@@ -83,18 +94,21 @@ class TunedLinear(nn.Linear):
     tuner_launchers: dict
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m = input.numel() // self.in_features
-        for lo, hi in self.tuner_compiled_spans if torch.compiler.is_compiling() else self.tuner_spans:
-            if lo <= m <= hi:
-                return self._tuned(input)
+        spans = self.tuner_compiled_spans if torch.compiler.is_compiling() else self.tuner_spans
+        if _inside(input.numel() // self.in_features, spans):
+            return self._tuned(input)
         return F.linear(input, self.weight, self.bias)
+
+    def _fits(self, input: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether the kernel path may take `input` (`x`: its rows): a
+        strided x (the last position of every sequence, for the logits)
+        would need a copy first, and the maps measured contiguous operands."""
+        return (input.dtype == self.weight.dtype and not (torch.is_grad_enabled() and self.weight.requires_grad)
+                and x.is_contiguous())
 
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
         x, wt = input.reshape(-1, self.in_features), self.weight.t()
-        # A strided x (the last position of every sequence, for the logits)
-        # would need a copy first: the maps measured contiguous operands only.
-        if (input.dtype != self.weight.dtype or (torch.is_grad_enabled() and self.weight.requires_grad)
-                or not x.is_contiguous()):
+        if not self._fits(input, x):
             return F.linear(input, self.weight, self.bias)
         if torch.compiler.is_compiling():
             y = dispatch.gemm(x, wt)
@@ -178,6 +192,155 @@ def unpatch(model: nn.Module) -> nn.Module:
     for layer in model.modules():
         _restore(layer)
     return model
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `check` measured for one weight shape (N x K, dtype) at one M:
+    the device time of its layers' calls in a run of the workload, cuBLAS's
+    over the kernel path's (`speedup`, with its standard error in log units),
+    and whether the kernel stays at that M."""
+
+    n: int
+    k: int
+    dtype: str
+    m: int
+    speedup: float
+    log_se: float
+    kept: bool
+
+
+def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CHECK_ROUNDS) -> list[Checked]:
+    """Keep a patched layer's eager kernel intervals only where the kernel
+    measured faster inside the model: `workload()` (a forward of the model,
+    or a few, as it will be called) runs `rounds` times with the patched
+    layers' kernels and as many with `F.linear`, alternating which goes
+    first, and CUDA events time every call that would take the kernel path.
+    The maps measured a GEMM alone; inside a forward, between other kernels,
+    it runs at other clocks and cache states, and cuBLAS's kernels may gain
+    more from that than the pool's. Per weight shape and M, the kernel stays
+    when its speedup over cuBLAS (summed over the shape's layers in a run,
+    `paired_speedup`) is above 1.0 by two standard errors; else the stretch
+    of its interval that M stands for goes to cuBLAS (`_trim`). Intervals no
+    call of the workload fell in stay as the maps made them, and compiled
+    graphs keep theirs: torch.compile fuses the kernels around a GEMM, so
+    an eager forward says nothing of them. Returns what was measured, per
+    shape and M."""
+    if rounds < 4:
+        raise ValueError(f"check: rounds={rounds}: the estimate needs at least 4 (two of each order)")
+    layers = [m for m in model.modules() if type(m) is TunedLinear and m.tuner_spans]
+    spans = {layer: layer.tuner_spans for layer in layers}
+    pairs = defaultdict(list)
+    try:
+        with torch.no_grad(), _CallTimer(spans) as timer:
+            for r in range(rounds + 1):
+                order = ("kernel", "cublas") if r % 2 == 0 else ("cublas", "kernel")
+                s = {}
+                for path in order:
+                    for layer in layers:
+                        layer.tuner_spans = spans[layer] if path == "kernel" else ()
+                    s[path] = timer.time(workload)
+                if r:  # the first round decides, builds and keeps the launches
+                    for key in s["kernel"].keys() & s["cublas"].keys():
+                        pairs[key].append((s["cublas"][key], s["kernel"][key], order[0] == "kernel"))
+    finally:
+        for layer in layers:
+            layer.tuner_spans = spans[layer]
+    if not pairs:
+        warnings.warn("tuner.check: the workload made no call inside a patched layer's eager kernel intervals: "
+                      "nothing was checked", PatchWarning, stacklevel=2)
+    found, verdicts = [], defaultdict(dict)
+    by_shape = lambda item: (item[0][0], item[0][1], str(item[0][2]), item[0][3])  # noqa: E731 (dtypes do not order)
+    for (n, k, dtype, m), runs in sorted(pairs.items(), key=by_shape):
+        est = paired_speedup(runs)
+        kept = math.log(est["speedup"]) > _CHECK_SE * est["log_se"]
+        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], kept))
+        verdicts[n, k, dtype][m] = kept
+    for layer in layers:
+        layer.tuner_spans = _trim(layer.tuner_spans, verdicts[_shape(layer)])
+        if not layer.tuner_spans and not layer.tuner_compiled_spans:
+            _restore(layer)
+    return found
+
+
+class _CallTimer:
+    """CUDA events around every call of the given layers that their `spans`
+    send down the kernel path (whichever path the layer takes now: `check`
+    swaps them); `time(workload)` runs it once and sums each (N, K, dtype, M)
+    key's calls' device seconds."""
+
+    def __init__(self, spans: dict[TunedLinear, tuple]) -> None:
+        self._spans = spans
+        self._open: dict[TunedLinear, tuple] = {}
+        self._timed: list[tuple] = []
+
+    def __enter__(self) -> _CallTimer:
+        self._hooks = [hook for layer in self._spans for hook in
+                       (layer.register_forward_pre_hook(self._start), layer.register_forward_hook(self._stop))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _start(self, layer: TunedLinear, args: tuple) -> None:
+        x = args[0]
+        m = x.numel() // layer.in_features
+        if _inside(m, self._spans[layer]) and layer._fits(x, x.reshape(-1, layer.in_features)):
+            self._open[layer] = ((*_shape(layer), m), self._event(x.device))
+
+    def _stop(self, layer: TunedLinear, args: tuple, output: torch.Tensor) -> None:
+        if layer in self._open:
+            key, start = self._open.pop(layer)
+            self._timed.append((key, start, self._event(output.device)))
+
+    @staticmethod
+    def _event(device: torch.device) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def time(self, workload: Callable[[], object]) -> dict[tuple, float]:
+        self._timed = []
+        workload()
+        for device in {layer.weight.device for layer in self._spans}:
+            torch.cuda.synchronize(device)
+        seconds = defaultdict(float)
+        for key, start, end in self._timed:
+            seconds[key] += start.elapsed_time(end) / 1e3
+        return seconds
+
+
+def _trim(spans: tuple[tuple[int, int], ...], verdicts: dict[int, bool]) -> tuple[tuple[int, int], ...]:
+    """`spans` less what the checked M that lost stand for: inside a span,
+    each checked M stands for the M nearer to it than to the next checked M
+    (split at their geometric mean); a span without a checked M stays."""
+    kept: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        points = sorted(m for m in verdicts if lo <= m <= hi)
+        if not points:
+            kept.append((lo, hi))
+            continue
+        cuts = [math.isqrt(a * b) for a, b in zip(points, points[1:])]
+        for m, last, end in zip(points, [lo - 1] + cuts, cuts + [hi]):
+            if not verdicts[m]:
+                continue
+            if kept and kept[-1][1] == last:
+                kept[-1] = (kept[-1][0], end)
+            else:
+                kept.append((last + 1, end))
+    return tuple(kept)
+
+
+def _inside(m: int, spans: tuple[tuple[int, int], ...]) -> bool:
+    for lo, hi in spans:
+        if lo <= m <= hi:
+            return True
+    return False
+
+
+def _shape(layer: nn.Linear) -> tuple[int, int, torch.dtype]:
+    return layer.out_features, layer.in_features, layer.weight.dtype
 
 
 def _restore(layer: nn.Module) -> None:
