@@ -242,12 +242,14 @@ def slow(spy, monkeypatch):
     return spans, sleeps
 
 
-def test_check_keeps_a_kernel_only_where_it_won_inside_the_forward(slow):
+def test_check_keeps_a_kernel_only_where_its_calls_and_their_forwards_won(slow):
     spans, sleeps = slow
     spans.update({(128, 64): ((1, 8), (100, 200)), (32, 128): ((1, 8),)})
-    # (128, 64): the kernel wins at M = 2 and 150, loses at 6; (32, 128) loses at both M it sees.
-    sleeps.update({("cublas", 128, 2): 2e-3, ("kernel", 128, 6): 2e-3, ("cublas", 128, 150): 2e-3,
-                   ("kernel", 32, 2): 2e-3, ("kernel", 32, 6): 2e-3})
+    # M = 2: net[0]'s kernel saves 2 ms, net[2]'s loses 1 ms (the forward gains);
+    # M = 6: net[0]'s loses 2 ms, net[2]'s saves 1 ms (the forward loses);
+    # M = 150: net[0]'s saves 2 ms (net[2] has no interval there).
+    sleeps.update({("cublas", 128, 2): 2e-3, ("kernel", 32, 2): 1e-3, ("kernel", 128, 6): 2e-3,
+                   ("cublas", 32, 6): 1e-3, ("cublas", 128, 150): 2e-3})
     net = _net()
     patch(net, bias=True)
     xs = [torch.randn(m, 64, dtype=torch.bfloat16) for m in (2, 6, 150)]
@@ -255,13 +257,26 @@ def test_check_keeps_a_kernel_only_where_it_won_inside_the_forward(slow):
     assert [(c.n, c.m, c.kept) for c in found] == [
         (32, 2, False), (32, 6, False), (128, 2, True), (128, 6, False), (128, 150, True)]
     assert all(c.k == (64 if c.n == 128 else 128) and c.dtype == "bf16" for c in found)
-    winner = next(c for c in found if (c.n, c.m) == (128, 2))
-    assert winner.speedup > 2 and 0 < winner.log_se < 0.2
+    got = {(c.n, c.m): c for c in found}
+    assert got[128, 2].speedup > 2 and 0 < got[128, 2].log_se < 0.2 and got[128, 2].forward_speedup > 1
+    # net[2]'s kernel won its own calls at M = 6, but the forward that made them lost.
+    assert got[32, 6].speedup > 1.5 and got[32, 6].forward_speedup < 1
     # M = 2 stands for 1-3 (the geometric mean of 2 and 6 is 3.5), 6 for 4-8.
     assert net[0].tuner_spans == ((1, 3), (100, 200))
     # Compiled graphs keep their intervals: an eager forward says nothing of them.
     assert net[2].tuner_spans == () and net[2].tuner_compiled_spans == ((1, 8),)
     assert type(net[3]) is not TunedLinear
+
+
+def test_check_without_a_forward_of_the_model_judges_the_calls_alone(slow):
+    spans, sleeps = slow
+    spans[(128, 64)] = ((1, 8),)
+    sleeps[("cublas", 128, 2)] = 2e-3
+    net = _net()
+    patch(net, bias=True)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    (found,) = check(net, lambda: net[0](x), rounds=4)  # a layer called alone, not `net`
+    assert found.kept and found.forward_speedup is None
 
 
 def test_check_refuses_too_few_rounds_and_warns_when_nothing_was_checked(slow):
@@ -394,7 +409,7 @@ def test_check_times_every_patched_shape_inside_the_forward_and_keeps_its_verdic
             got = tiny(ids).logits
             # One verdict per shape, at the forward's M = 2 x 64 (the logits of every position too).
             assert sorted((c.n, c.k) for c in found) == sorted(set(layers.values()))
-            assert all(c.m == 128 and c.speedup > 0 and c.log_se >= 0 for c in found)
+            assert all(c.m == 128 and c.speedup > 0 and c.log_se >= 0 and c.forward_speedup > 0 for c in found)
             kept = {(c.n, c.k): c.kept for c in found}
             for layer, shape in layers.items():
                 assert type(layer) is TunedLinear  # compiled intervals are left as they were

@@ -197,9 +197,11 @@ def unpatch(model: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class Checked:
     """What `check` measured for one weight shape (N x K, dtype) at one M:
-    the device time of its layers' calls in a run of the workload, cuBLAS's
-    over the kernel path's (`speedup`, with its standard error in log units),
-    and whether the kernel stays at that M."""
+    cuBLAS's device time over the kernel path's for its layers' calls in a
+    run of the workload (`speedup`, with its standard error in log units),
+    the least such ratio of host time among the model's forwards that made
+    those calls (`forward_speedup`; None when the workload called the layers
+    outside a forward of the model), and whether the kernel stays at that M."""
 
     n: int
     k: int
@@ -207,6 +209,7 @@ class Checked:
     m: int
     speedup: float
     log_se: float
+    forward_speedup: float | None
     kept: bool
 
 
@@ -215,46 +218,62 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     measured faster inside the model: `workload()` (a forward of the model,
     or a few, as it will be called) runs `rounds` times with the patched
     layers' kernels and as many with `F.linear`, alternating which goes
-    first, and CUDA events time every call that would take the kernel path.
+    first. CUDA events time every call that would take the kernel path, and
+    the host's clock every forward of `model` (synced at both ends).
+
     The maps measured a GEMM alone; inside a forward, between other kernels,
     it runs at other clocks and cache states, and cuBLAS's kernels may gain
-    more from that than the pool's. Per weight shape and M, the kernel stays
-    when its speedup over cuBLAS (summed over the shape's layers in a run,
-    `paired_speedup`) is above 1.0 by two standard errors; else the stretch
-    of its interval that M stands for goes to cuBLAS (`_trim`). Intervals no
-    call of the workload fell in stay as the maps made them, and compiled
-    graphs keep theirs: torch.compile fuses the kernels around a GEMM, so
-    an eager forward says nothing of them. Returns what was measured, per
-    shape and M."""
+    more from that than the pool's; a forward that waits on the host pays
+    the kernel path's host cost instead of its device time. So per weight
+    shape and M the kernel stays only when its calls' speedup over cuBLAS
+    (summed over the shape's layers in a run, `paired_speedup`) is above 1.0
+    by two standard errors, and every forward that made those calls ran
+    faster with the kernels than without them (the forward's own estimate:
+    it holds other layers' kernels too, and its host noise is the larger).
+    Else the stretch of the interval that M stands for goes to cuBLAS
+    (`_trim`). Intervals no call of the workload fell in stay as the maps
+    made them, and compiled graphs keep theirs: torch.compile fuses the
+    kernels around a GEMM, so an eager forward says nothing of them.
+    Returns what was measured, per shape and M."""
     if rounds < 4:
         raise ValueError(f"check: rounds={rounds}: the estimate needs at least 4 (two of each order)")
     layers = [m for m in model.modules() if type(m) is TunedLinear and m.tuner_spans]
     spans = {layer: layer.tuner_spans for layer in layers}
-    pairs = defaultdict(list)
+    calls, forwards, made = defaultdict(list), defaultdict(list), defaultdict(set)
     try:
-        with torch.no_grad(), _CallTimer(spans) as timer:
+        with torch.no_grad(), _CallTimer(model, spans) as timer:
             for r in range(rounds + 1):
                 order = ("kernel", "cublas") if r % 2 == 0 else ("cublas", "kernel")
-                s = {}
+                runs = {}
                 for path in order:
                     for layer in layers:
                         layer.tuner_spans = spans[layer] if path == "kernel" else ()
-                    s[path] = timer.time(workload)
-                if r:  # the first round decides, builds and keeps the launches
-                    for key in s["kernel"].keys() & s["cublas"].keys():
-                        pairs[key].append((s["cublas"][key], s["kernel"][key], order[0] == "kernel"))
+                    runs[path] = timer.time(workload)
+                if not r:  # the first round decides, builds and keeps the launches
+                    continue
+                (kernel_calls, kernel_forwards), (cublas_calls, cublas_forwards) = runs["kernel"], runs["cublas"]
+                for key in kernel_calls.keys() & cublas_calls.keys():
+                    calls[key].append((cublas_calls[key], kernel_calls[key], order[0] == "kernel"))
+                for i in kernel_forwards.keys() & cublas_forwards.keys():
+                    forwards[i].append((cublas_forwards[i][0], kernel_forwards[i][0], order[0] == "kernel"))
+                    made[i] |= kernel_forwards[i][1]
     finally:
         for layer in layers:
             layer.tuner_spans = spans[layer]
-    if not pairs:
+    if not calls:
         warnings.warn("tuner.check: the workload made no call inside a patched layer's eager kernel intervals: "
                       "nothing was checked", PatchWarning, stacklevel=2)
+    forward_speedup = {}
+    for i, pairs in forwards.items():
+        speedup = paired_speedup(pairs)["speedup"]
+        for key in made[i]:
+            forward_speedup[key] = min(speedup, forward_speedup.get(key, math.inf))
     found, verdicts = [], defaultdict(dict)
     by_shape = lambda item: (item[0][0], item[0][1], str(item[0][2]), item[0][3])  # noqa: E731 (dtypes do not order)
-    for (n, k, dtype, m), runs in sorted(pairs.items(), key=by_shape):
-        est = paired_speedup(runs)
-        kept = math.log(est["speedup"]) > _CHECK_SE * est["log_se"]
-        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], kept))
+    for (n, k, dtype, m), pairs in sorted(calls.items(), key=by_shape):
+        est, whole = paired_speedup(pairs), forward_speedup.get((n, k, dtype, m))
+        kept = math.log(est["speedup"]) > _CHECK_SE * est["log_se"] and (whole is None or whole > 1.0)
+        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], whole, kept))
         verdicts[n, k, dtype][m] = kept
     for layer in layers:
         layer.tuner_spans = _trim(layer.tuner_spans, verdicts[_shape(layer)])
@@ -264,24 +283,42 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
 
 
 class _CallTimer:
-    """CUDA events around every call of the given layers that their `spans`
-    send down the kernel path (whichever path the layer takes now: `check`
-    swaps them); `time(workload)` runs it once and sums each (N, K, dtype, M)
-    key's calls' device seconds."""
+    """Hooks that time, in a run of a workload (`time`), every call of the
+    given layers that their `spans` send down the kernel path (whichever
+    path the layer takes now: `check` swaps them) with CUDA events, and every
+    forward of `model` on the host's clock after a sync."""
 
-    def __init__(self, spans: dict[TunedLinear, tuple]) -> None:
-        self._spans = spans
+    def __init__(self, model: nn.Module, spans: dict[TunedLinear, tuple]) -> None:
+        self._model, self._spans = model, spans
+        self._devices = {layer.weight.device for layer in spans}
         self._open: dict[TunedLinear, tuple] = {}
-        self._timed: list[tuple] = []
+        self._calls: list[tuple] = []
+        self._forwards: list[list] = []  # [seconds, the keys its timed calls had]
+        self._inside = False
 
     def __enter__(self) -> _CallTimer:
-        self._hooks = [hook for layer in self._spans for hook in
-                       (layer.register_forward_pre_hook(self._start), layer.register_forward_hook(self._stop))]
+        self._hooks = [self._model.register_forward_pre_hook(self._forward_start),
+                       self._model.register_forward_hook(self._forward_stop)]
+        self._hooks += [hook for layer in self._spans for hook in
+                        (layer.register_forward_pre_hook(self._start), layer.register_forward_hook(self._stop))]
         return self
 
     def __exit__(self, *exc) -> None:
         for hook in self._hooks:
             hook.remove()
+
+    def _sync(self) -> float:
+        for device in self._devices:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def _forward_start(self, model: nn.Module, args: tuple) -> None:
+        self._inside = True
+        self._forwards.append([-self._sync(), set()])
+
+    def _forward_stop(self, model: nn.Module, args: tuple, output: object) -> None:
+        self._forwards[-1][0] += self._sync()
+        self._inside = False
 
     def _start(self, layer: TunedLinear, args: tuple) -> None:
         x = args[0]
@@ -292,7 +329,9 @@ class _CallTimer:
     def _stop(self, layer: TunedLinear, args: tuple, output: torch.Tensor) -> None:
         if layer in self._open:
             key, start = self._open.pop(layer)
-            self._timed.append((key, start, self._event(output.device)))
+            self._calls.append((key, start, self._event(output.device)))
+            if self._inside:
+                self._forwards[-1][1].add(key)
 
     @staticmethod
     def _event(device: torch.device) -> torch.cuda.Event:
@@ -300,15 +339,17 @@ class _CallTimer:
         event.record(torch.cuda.current_stream(device))
         return event
 
-    def time(self, workload: Callable[[], object]) -> dict[tuple, float]:
-        self._timed = []
+    def time(self, workload: Callable[[], object]) -> tuple[dict[tuple, float], dict[int, tuple[float, set]]]:
+        """Run `workload` once: the device seconds of each (N, K, dtype, M)
+        key's timed calls, and per forward of the model (by its place in the
+        run) its seconds and the keys of its timed calls."""
+        self._calls, self._forwards = [], []
         workload()
-        for device in {layer.weight.device for layer in self._spans}:
-            torch.cuda.synchronize(device)
+        self._sync()
         seconds = defaultdict(float)
-        for key, start, end in self._timed:
+        for key, start, end in self._calls:
             seconds[key] += start.elapsed_time(end) / 1e3
-        return seconds
+        return seconds, {i: (s, keys) for i, (s, keys) in enumerate(self._forwards)}
 
 
 def _trim(spans: tuple[tuple[int, int], ...], verdicts: dict[int, bool]) -> tuple[tuple[int, int], ...]:
