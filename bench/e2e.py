@@ -29,9 +29,11 @@ downloaded).
    batch x steps / time), each unpatched and patched, eager and under
    `torch.compile` (compiled anew for each case, so for its static shapes).
    The variants are two copies of the model with the same weights, one
-   patched once, as a user patches once and then runs: toggling one model
+   patched, as a user patches once and then runs: toggling one model
    between the variants would time the first call after each `patch`
-   (a dynamo guard miss, the layers' launch caches refilled) instead.
+   (a dynamo guard miss, the layers' launch caches refilled) instead. Each
+   copy plays each variant for half the rounds (`_both_ways`), so that what
+   sets one copy apart from the other cancels.
    Layers with a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by
    default. The two variants alternate, timed on the host clock after a
    sync (the host's cost is part of what a user waits for): prefill one
@@ -76,7 +78,7 @@ import torch
 from bench.dynamic_m import compile_choices
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner import check, dispatch, patch
+from tuner import check, dispatch, patch, unpatch
 from tuner.linears import build_model, linear_shapes
 from tuner.measure import paired_speedup, trimmed_mean
 from tuner.patch import host_costs
@@ -84,6 +86,7 @@ from tuner.patch import host_costs
 MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
 DEVICE = "cuda"
 VARIANTS = ("unpatched", "patched")
+_MODES = ("eager", "compiled")
 REL_ERR_LIMIT = 2e-2  # bf16 over a few layers, as the tuner's own gate
 
 
@@ -130,10 +133,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _paired(trial, rounds: int) -> dict:
-    """Seconds per sample of each variant and the speedup (`paired_speedup`).
-    `trial(order)` runs the variants, `order` first, and returns the pairs
-    (unpatched s, patched s, whether patched ran first); rounds alternate
+def _paired(trial, rounds: int) -> list[tuple[float, float, bool]]:
+    """The pairs (unpatched s, patched s, whether patched ran first) that
+    `trial(order)` returns, run `rounds` times after a warm-up, alternating
     the order."""
     pairs = []
     for _ in range(2):  # warm-up: compiles, decides and builds
@@ -145,23 +147,54 @@ def _paired(trial, rounds: int) -> dict:
             pairs += trial(VARIANTS if r % 2 == 0 else VARIANTS[::-1])
     finally:
         gc.enable()
+    return pairs
+
+
+def _speed(pairs: list[tuple[float, float, bool]], per_s: int) -> dict:
+    """Tokens per second of each variant (`per_s` tokens a sample) and the
+    speedup (`paired_speedup`) of the pairs."""
+    est = paired_speedup(pairs)
     times = {"unpatched": [u for u, _, _ in pairs], "patched": [p for _, p, _ in pairs]}
-    return {"s": {v: trimmed_mean(t) for v, t in times.items()}, **paired_speedup(pairs)}
+    return {"tokens_per_s": {v: per_s / trimmed_mean(t) for v, t in times.items()}, "speedup": est["speedup"],
+            "log_se": est["log_se"], "order_effect": est["order_effect"], "log_spread": est["spread"],
+            "pairs": est["samples"]}
 
 
-def _speed(timing: dict) -> dict:
-    return {"speedup": timing["speedup"], "log_se": timing["log_se"], "order_effect": timing["order_effect"],
-            "log_spread": timing["spread"], "pairs": timing["samples"]}
+def _both_ways(models: dict, mode: str, measure) -> list[tuple[float, float, bool]]:
+    """The pairs of `measure(fns)` ({variant: callable} -> pairs), run with
+    the variants as they are and again with the copies' roles swapped
+    (`_swap`), so that what sets one copy apart cancels: where its tensors
+    lie in memory, say (copies that ran the same code measured up to 0.6 %
+    apart in a decode step). Compiled callables start from an empty dynamo
+    cache, so each case compiles for its own static shapes. The roles are
+    as they were after."""
+    pairs = []
+    for _ in range(2):
+        if mode == "compiled":
+            torch._dynamo.reset()
+        pairs += measure({v: torch.compile(m) if mode == "compiled" else m for v, m in models.items()})
+        _swap(models)
+    return pairs
 
 
-def _modes(models: dict, modes: list[str]):
-    """(mode, {variant: callable}) pairs; the compiled ones start from an
-    empty dynamo cache, so each case compiles for its own static shapes."""
-    if "eager" in modes:
-        yield "eager", models
-    if "compiled" in modes:
-        torch._dynamo.reset()
-        yield "compiled", {v: torch.compile(m) for v, m in models.items()}
+def _swap(models: dict) -> None:
+    """The unpatched copy takes the patched one's layers as they are (the
+    intervals `patch` and `check` left them), and the patched copy is
+    unpatched."""
+    done, fresh = models["patched"], models["unpatched"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first patch's warnings are in the record
+        patch(fresh)
+    for name, layer in done.named_modules():
+        if not isinstance(layer, torch.nn.Linear):
+            continue
+        twin = fresh.get_submodule(name)
+        if hasattr(layer, "tuner_spans"):
+            twin.tuner_spans, twin.tuner_compiled_spans = layer.tuner_spans, layer.tuner_compiled_spans
+        else:
+            unpatch(twin)
+    unpatch(done)
+    models["unpatched"], models["patched"] = done, fresh
 
 
 def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: int | None) -> dict:
@@ -199,7 +232,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
               "families": families, "check": [dataclasses.asdict(c) for c in checked],
               "kernel_spans": {name: {"eager": [list(span) for span in s[0]], "compiled": [list(span) for span in s[1]]}
                                for name, s in spans.items()},
-              "host_cost_us": dict(zip(("eager", "compiled"), host_costs() or ())),
+              "host_cost_us": dict(zip(_MODES, host_costs() or ())),
               "prefill": [], "decode": []}
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -213,16 +246,20 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
             def run(fn, ids=ids):
                 return fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits
 
-            for mode, fns in _modes(models, args.modes):
-                def trial(order, fns=fns):
-                    s = {v: _timed(lambda v=v: run(fns[v])) for v in order}
-                    return [(s["unpatched"], s["patched"], order[0] == "patched")]
+            for mode in _MODES:
+                if mode not in args.modes:
+                    continue
+                errors = []
 
-                timing = _paired(trial, args.rounds)
-                case[mode] = {
-                    "tokens_per_s": {v: batch * seq / s for v, s in timing["s"].items()}, **_speed(timing),
-                    "rel_err": _rel_err(run(fns["patched"]), want),
-                }
+                def measure(fns):
+                    def trial(order):
+                        s = {v: _timed(lambda v=v: run(fns[v])) for v in order}
+                        return [(s["unpatched"], s["patched"], order[0] == "patched")]
+                    pairs = _paired(trial, args.rounds // 2)
+                    errors.append(_rel_err(run(fns["patched"]), want))
+                    return pairs
+
+                case[mode] = {**_speed(_both_ways(models, mode, measure), batch * seq), "rel_err": max(errors)}
             _report(name, f"prefill {batch}x{seq}", case)
             record["prefill"].append(case)
             checkpoint(record)
@@ -293,35 +330,40 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
 
     want_logits, want_tokens = loop(models["unpatched"], "unpatched")
     case = {"batch": batch, "prompt": args.prompt, "steps": args.steps}
-    for mode, fns in _modes(models, args.modes):
-        def trial(order):
-            for v in VARIANTS:
-                prefill(v)
-            token = dict.fromkeys(VARIANTS, first)
-            pairs = []
-            for i, pos in enumerate(positions):
-                this = order if i % 2 == 0 else order[::-1]
-                s = {}
-                for v in this:
-                    def greedy(v=v, pos=pos):
-                        token[v] = step(fns[v], v, token[v], pos).argmax(-1, keepdim=True)
-                    s[v] = _timed(greedy)
-                pairs.append((s["unpatched"], s["patched"], this[0] == "patched"))
+    for mode in _MODES:
+        if mode not in args.modes:
+            continue
+        errors, agreements = [], []
+
+        def measure(fns):
+            def trial(order):
+                for v in VARIANTS:
+                    prefill(v)
+                token = dict.fromkeys(VARIANTS, first)
+                pairs = []
+                for i, pos in enumerate(positions):
+                    this = order if i % 2 == 0 else order[::-1]
+                    s = {}
+                    for v in this:
+                        def greedy(v=v, pos=pos):
+                            token[v] = step(fns[v], v, token[v], pos).argmax(-1, keepdim=True)
+                        s[v] = _timed(greedy)
+                    pairs.append((s["unpatched"], s["patched"], this[0] == "patched"))
+                return pairs
+            pairs = _paired(trial, args.decode_rounds // 2)
+            logits, tokens = loop(fns["patched"], "patched")
+            errors.append(_rel_err(logits, want_logits))
+            agreements.append((tokens == want_tokens).float().mean().item())
             return pairs
 
-        timing = _paired(trial, args.decode_rounds)
-        logits, tokens = loop(fns["patched"], "patched")
-        case[mode] = {
-            "tokens_per_s": {v: batch / s for v, s in timing["s"].items()}, **_speed(timing),
-            "rel_err": _rel_err(logits, want_logits),
-            "token_agreement": (tokens == want_tokens).float().mean().item(),
-        }
+        case[mode] = {**_speed(_both_ways(models, mode, measure), batch), "rel_err": max(errors),
+                      "token_agreement": min(agreements)}
     return case
 
 
 def _report(name: str, label: str, case: dict) -> None:
     parts = [f"{name:12s} {label:16s}"]
-    for mode in ("eager", "compiled"):
+    for mode in _MODES:
         if mode in case:
             c, (hits, calls) = case[mode], case["kernel_calls"][mode]
             parts.append(f"{mode} kernels {hits}/{calls} {c['tokens_per_s']['unpatched']:9.0f} -> "
@@ -343,7 +385,7 @@ def run(args: argparse.Namespace, checkpoint) -> dict:
         record["models"].append({})
         bench_model(name, args, lambda model: (record["models"].__setitem__(-1, model), checkpoint(record)))
     cases = [c[mode] for m in record["models"] for kind in ("prefill", "decode") for c in m[kind]
-             for mode in ("eager", "compiled") if mode in c]
+             for mode in _MODES if mode in c]
     record["summary"] = {
         "cases": len(cases), "min_speedup": min(c["speedup"] for c in cases),
         "geomean_speedup": math.exp(statistics.fmean(math.log(c["speedup"]) for c in cases)),
@@ -370,7 +412,7 @@ def main() -> None:
                         help="Rounds of --steps paired steps per decode case.")
     parser.add_argument("--check-rounds", type=int, default=30,
                         help="Rounds of tuner.check on one call of each case after patching (0: no check).")
-    parser.add_argument("--modes", type=lambda t: t.split(","), default=["eager", "compiled"],
+    parser.add_argument("--modes", type=lambda t: t.split(","), default=list(_MODES),
                         help="eager, compiled or both (comma-separated).")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()

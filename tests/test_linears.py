@@ -153,6 +153,37 @@ def test_the_e2e_speedup_keeps_the_order_effect_out():
         paired_speedup(pairs[:1] + pairs[1::2])
 
 
+def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch):
+    """`_swap` (run twice per case) puts each copy in each role, with the
+    intervals `patch` and `check` left, and twice is where it started."""
+    import copy
+    import importlib
+
+    import torch
+
+    from bench.e2e import _swap
+    from tuner import dispatch, patch
+    from tuner.lookup import Span
+
+    patch_module = importlib.import_module("tuner.patch")
+    monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, patch_module.TunedLinear))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
+    net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)).to(torch.bfloat16)
+    models = {"unpatched": net, "patched": patch(copy.deepcopy(net))}
+    first = models["patched"]
+    first[0].tuner_spans = ((1, 3),)  # as a check leaves them
+    patch_module.unpatch(first[1])
+    _swap(models)
+    assert models["patched"] is net and models["unpatched"] is first
+    assert all(type(m) is nn.Linear for m in first)
+    assert (type(net[0]), net[0].tuner_spans, net[0].tuner_compiled_spans) == (
+        patch_module.TunedLinear, ((1, 3),), ((1, 64),))
+    assert type(net[1]) is nn.Linear
+    _swap(models)
+    assert models["patched"] is first and first[0].tuner_spans == ((1, 3),) and type(first[1]) is nn.Linear
+    assert all(type(m) is nn.Linear for m in net)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prefill", "1x512,4x1024", "--kernel", "8x8=sm90-static_persistent-t128x128-c1x1-s4-w4m"],
      "--prefill takes one batch x seq"),

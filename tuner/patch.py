@@ -214,12 +214,12 @@ class Checked:
 
 
 def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CHECK_ROUNDS) -> list[Checked]:
-    """Keep a patched layer's eager kernel intervals only where the kernel
-    measured faster inside the model: `workload()` (a forward of the model,
-    or a few, as it will be called) runs `rounds` times with the patched
-    layers' kernels and as many with `F.linear`, alternating which goes
-    first. CUDA events time every call that would take the kernel path, and
-    the host's clock every forward of `model` (synced at both ends).
+    """Keep a patched layer's kernel intervals only where the kernel measured
+    faster inside the model: `workload()` (a forward of the model, or a few,
+    as it will be called) runs `rounds` times with the patched layers'
+    kernels and as many with `F.linear`, eager, alternating which goes first.
+    CUDA events time every call that would take the kernel path, and the
+    host's clock every forward of `model` (synced at both ends).
 
     The maps measured a GEMM alone; inside a forward, between other kernels,
     it runs at other clocks and cache states, and cuBLAS's kernels may gain
@@ -228,20 +228,50 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     shape and M the kernel stays only when its calls' speedup over cuBLAS
     (summed over the shape's layers in a run, `paired_speedup`) is above 1.0
     by two standard errors, and every forward that made those calls ran
-    faster with the kernels than without them (the forward's own estimate:
-    it holds other layers' kernels too, and its host noise is the larger).
-    Else the stretch of the interval that M stands for goes to cuBLAS
-    (`_trim`). Intervals no call of the workload fell in stay as the maps
-    made them, and compiled graphs keep theirs: torch.compile fuses the
-    kernels around a GEMM, so an eager forward says nothing of them.
-    Returns what was measured, per shape and M."""
+    faster with the kernels than without them (the forward's own estimate;
+    when some calls lost, the forwards are measured again without them, so
+    that a loser does not take the winners beside it down). Else the stretch
+    of the interval that M stands for goes to cuBLAS (`_trim`); compiled
+    intervals lose it only where the calls lost, since a compiled graph
+    fuses the kernels around the GEMM and does not pay the eager host cost
+    the forwards measured. Intervals no call of the workload fell in stay
+    as the maps made them. Returns what was measured, per shape and M."""
     if rounds < 4:
         raise ValueError(f"check: rounds={rounds}: the estimate needs at least 4 (two of each order)")
     layers = [m for m in model.modules() if type(m) is TunedLinear and m.tuner_spans]
     spans = {layer: layer.tuner_spans for layer in layers}
+    calls, forwards = _measure(model, spans, workload, rounds)
+    if not calls:
+        warnings.warn("tuner.check: the workload made no call inside a patched layer's eager kernel intervals: "
+                      "nothing was checked", PatchWarning, stacklevel=2)
+    wins = {key: math.log(est["speedup"]) > _CHECK_SE * est["log_se"] for key, est in calls.items()}
+    forward_speedup = _least_speedups(forwards)
+    if not all(wins.values()):
+        won = {layer: _trim(s, _verdicts(wins, layer)) for layer, s in spans.items()}
+        forward_speedup.update(_least_speedups(_measure(model, won, workload, rounds)[1]))
+    found, kept = [], {}
+    for key in sorted(calls, key=lambda key: (key[0], key[1], str(key[2]), key[3])):  # dtypes do not order
+        (n, k, dtype, m), est, whole = key, calls[key], forward_speedup.get(key)
+        kept[key] = wins[key] and (whole is None or whole > 1.0)
+        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], whole, kept[key]))
+    for layer in layers:
+        layer.tuner_spans = _trim(spans[layer], _verdicts(kept, layer))
+        layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, _verdicts(wins, layer))
+        if not layer.tuner_spans and not layer.tuner_compiled_spans:
+            _restore(layer)
+    return found
+
+
+def _measure(model: nn.Module, spans: dict, workload: Callable[[], object], rounds: int) -> tuple[dict, dict]:
+    """`check`'s rounds with the kernels of `spans` (layer -> eager
+    intervals) against none: the speedup estimate of each (N, K, dtype, M)
+    key's timed calls, and of each forward of the model (by its place in a
+    run of the workload) with the keys of its timed calls."""
+    layers = [layer for layer, s in spans.items() if s]
+    saved = {layer: layer.tuner_spans for layer in layers}
     calls, forwards, made = defaultdict(list), defaultdict(list), defaultdict(set)
     try:
-        with torch.no_grad(), _CallTimer(model, spans) as timer:
+        with torch.no_grad(), _CallTimer(model, {layer: spans[layer] for layer in layers}) as timer:
             for r in range(rounds + 1):
                 order = ("kernel", "cublas") if r % 2 == 0 else ("cublas", "kernel")
                 runs = {}
@@ -258,28 +288,24 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
                     forwards[i].append((cublas_forwards[i][0], kernel_forwards[i][0], order[0] == "kernel"))
                     made[i] |= kernel_forwards[i][1]
     finally:
-        for layer in layers:
-            layer.tuner_spans = spans[layer]
-    if not calls:
-        warnings.warn("tuner.check: the workload made no call inside a patched layer's eager kernel intervals: "
-                      "nothing was checked", PatchWarning, stacklevel=2)
-    forward_speedup = {}
-    for i, pairs in forwards.items():
-        speedup = paired_speedup(pairs)["speedup"]
-        for key in made[i]:
-            forward_speedup[key] = min(speedup, forward_speedup.get(key, math.inf))
-    found, verdicts = [], defaultdict(dict)
-    by_shape = lambda item: (item[0][0], item[0][1], str(item[0][2]), item[0][3])  # noqa: E731 (dtypes do not order)
-    for (n, k, dtype, m), pairs in sorted(calls.items(), key=by_shape):
-        est, whole = paired_speedup(pairs), forward_speedup.get((n, k, dtype, m))
-        kept = math.log(est["speedup"]) > _CHECK_SE * est["log_se"] and (whole is None or whole > 1.0)
-        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], whole, kept))
-        verdicts[n, k, dtype][m] = kept
-    for layer in layers:
-        layer.tuner_spans = _trim(layer.tuner_spans, verdicts[_shape(layer)])
-        if not layer.tuner_spans and not layer.tuner_compiled_spans:
-            _restore(layer)
-    return found
+        for layer, s in saved.items():
+            layer.tuner_spans = s
+    return ({key: paired_speedup(pairs) for key, pairs in calls.items()},
+            {i: (paired_speedup(pairs), made[i]) for i, pairs in forwards.items()})
+
+
+def _least_speedups(forwards: dict) -> dict[tuple, float]:
+    """Per key, the least speedup of the forwards that made its calls."""
+    least = {}
+    for est, keys in forwards.values():
+        for key in keys:
+            least[key] = min(est["speedup"], least.get(key, math.inf))
+    return least
+
+
+def _verdicts(kept: dict[tuple, bool], layer: TunedLinear) -> dict[int, bool]:
+    """`kept` (per (N, K, dtype, M) key) for `layer`'s shape, by M."""
+    return {key[3]: v for key, v in kept.items() if key[:3] == _shape(layer)}
 
 
 class _CallTimer:
