@@ -133,18 +133,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _paired(trial, rounds: int) -> list[tuple[float, float, bool]]:
+def _paired(trial, rounds: int, lead: tuple[str, str]) -> list[tuple[float, float, bool]]:
     """The pairs (unpatched s, patched s, whether patched ran first) that
     `trial(order)` returns, run `rounds` times after a warm-up, alternating
-    the order."""
+    the order, `lead` first (and in the warm-up, which compiles)."""
     pairs = []
     for _ in range(2):  # warm-up: compiles, decides and builds
-        trial(VARIANTS)
+        trial(lead)
     gc.collect()
     gc.disable()  # a collection inside one variant's run is host noise the other does not pay
     try:
         for r in range(rounds):
-            pairs += trial(VARIANTS if r % 2 == 0 else VARIANTS[::-1])
+            pairs += trial(lead if r % 2 == 0 else lead[::-1])
     finally:
         gc.enable()
     return pairs
@@ -161,18 +161,20 @@ def _speed(pairs: list[tuple[float, float, bool]], per_s: int) -> dict:
 
 
 def _both_ways(models: dict, mode: str, measure) -> list[tuple[float, float, bool]]:
-    """The pairs of `measure(fns)` ({variant: callable} -> pairs), run with
-    the variants as they are and again with the copies' roles swapped
-    (`_swap`), so that what sets one copy apart cancels: where its tensors
-    lie in memory, say (copies that ran the same code measured up to 0.6 %
-    apart in a decode step). Compiled callables start from an empty dynamo
-    cache, so each case compiles for its own static shapes. The roles are
-    as they were after."""
+    """The pairs of `measure(fns, lead)` ({variant: callable}, the order to
+    run them in first -> pairs), run with the variants as they are and again
+    with the copies' roles swapped (`_swap`) and the other variant leading,
+    so that what sets one copy or one place in the order apart cancels:
+    where its tensors and its KV cache lie in memory, which one compiles
+    first (copies that ran the same code measured up to 0.6 % apart in a
+    decode step). Compiled callables start from an empty dynamo cache, so
+    each case compiles for its own static shapes. The roles are as they
+    were after."""
     pairs = []
-    for _ in range(2):
+    for lead in (VARIANTS, VARIANTS[::-1]):
         if mode == "compiled":
             torch._dynamo.reset()
-        pairs += measure({v: torch.compile(m) if mode == "compiled" else m for v, m in models.items()})
+        pairs += measure({v: torch.compile(m) if mode == "compiled" else m for v, m in models.items()}, lead)
         _swap(models)
     return pairs
 
@@ -251,11 +253,11 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
                     continue
                 errors = []
 
-                def measure(fns):
+                def measure(fns, lead):
                     def trial(order):
                         s = {v: _timed(lambda v=v: run(fns[v])) for v in order}
                         return [(s["unpatched"], s["patched"], order[0] == "patched")]
-                    pairs = _paired(trial, args.rounds // 2)
+                    pairs = _paired(trial, args.rounds // 2, lead)
                     errors.append(_rel_err(run(fns["patched"]), want))
                     return pairs
 
@@ -304,18 +306,19 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
 
     prompt = torch.randint(0, vocab, (batch, args.prompt), device=DEVICE, generator=gen)
     first = torch.randint(0, vocab, (batch, 1), device=DEVICE, generator=gen)
-    caches = {v: StaticCache(config=models[v].config, max_cache_len=args.prompt + args.steps) for v in VARIANTS}
+    # A cache per copy, not per variant: it changes roles with its copy (`_both_ways`).
+    caches = {id(m): StaticCache(config=m.config, max_cache_len=args.prompt + args.steps) for m in models.values()}
     positions = [torch.tensor([args.prompt + i], device=DEVICE) for i in range(args.steps)]
 
     def prefill(v):
         """The prompt into variant `v`'s empty cache, eager, untimed."""
-        caches[v].reset()
-        models[v](input_ids=prompt, past_key_values=caches[v],
+        caches[id(models[v])].reset()
+        models[v](input_ids=prompt, past_key_values=caches[id(models[v])],
                   cache_position=torch.arange(args.prompt, device=DEVICE), logits_to_keep=1)
 
     def step(fn, v, token, pos):
         """One decode step of `fn` on variant `v`'s cache: the new position's logits."""
-        return fn(input_ids=token, past_key_values=caches[v], cache_position=pos).logits[:, -1]
+        return fn(input_ids=token, past_key_values=caches[id(models[v])], cache_position=pos).logits[:, -1]
 
     def loop(fn, v):
         """The steps, untimed: (the first step's logits, the greedy tokens)."""
@@ -335,7 +338,7 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
             continue
         errors, agreements = [], []
 
-        def measure(fns):
+        def measure(fns, lead):
             def trial(order):
                 for v in VARIANTS:
                     prefill(v)
@@ -350,7 +353,7 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
                         s[v] = _timed(greedy)
                     pairs.append((s["unpatched"], s["patched"], this[0] == "patched"))
                 return pairs
-            pairs = _paired(trial, args.decode_rounds // 2)
+            pairs = _paired(trial, args.decode_rounds // 2, lead)
             logits, tokens = loop(fns["patched"], "patched")
             errors.append(_rel_err(logits, want_logits))
             agreements.append((tokens == want_tokens).float().mean().item())
