@@ -225,7 +225,8 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
         checked = check(tuned, _workload(tuned, args), rounds=args.check_rounds) if args.check_rounds else []
     for c in checked:
         print(f"{name:12s} check {c.n}x{c.k} M={c.m}: calls x{c.speedup:.3f} (2 se {2 * c.log_se:.3f}), "
-              f"forwards x{c.forward_speedup or math.nan:.3f}: {'kept' if c.kept else 'to cuBLAS'}", file=sys.stderr)
+              f"forwards x{c.forward_speedup or math.nan:.3f}: "
+              f"{'kept' if c.kept else 'compiled only' if c.calls_won else 'to cuBLAS'}", file=sys.stderr)
     models = {"unpatched": model, "patched": tuned}
     spans = {name: (m.tuner_spans, m.tuner_compiled_spans) for name, m in tuned.named_modules()
              if hasattr(m, "tuner_spans")}

@@ -278,6 +278,27 @@ def test_check_keeps_a_kernel_only_where_its_calls_and_their_forwards_won(slow):
     assert type(net[3]) is not TunedLinear
 
 
+def test_check_times_the_calls_of_compiled_only_intervals_and_trims_them(slow, monkeypatch):
+    spans, sleeps = slow
+    # Eager calls need 10 us saved, compiled ones nothing: M = 1-8 is compiled-only.
+    monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (10.0, 0.0))
+    spans[(128, 64)] = ((1, 8, 5.0), (100, 200, 50.0))
+    sleeps.update({("kernel", 128, 4): 2e-3, ("cublas", 128, 150): 2e-3})
+    net = _net()
+    patch(net, bias=True)
+    assert (net[0].tuner_spans, net[0].tuner_compiled_spans) == (((100, 200),), ((1, 8), (100, 200)))
+    xs = [torch.randn(m, 64, dtype=torch.bfloat16) for m in (4, 150)]
+    found = check(net, lambda: [net(x) for x in xs], rounds=6)
+    assert [(c.m, c.calls_won, c.kept) for c in found] == [(4, False, False), (150, True, True)]
+    assert found[0].forward_speedup is None  # eager forwards never run it: measured without it
+    assert (net[0].tuner_spans, net[0].tuner_compiled_spans) == (((100, 200),), ((100, 200),))
+
+
+def test_union_merges_overlapping_and_touching_spans():
+    assert patch_module._union(((1, 3), (10, 20)), ((4, 6), (15, 30), (40, 40))) == ((1, 6), (10, 30), (40, 40))
+    assert patch_module._union((), ()) == ()
+
+
 def test_check_without_a_forward_of_the_model_judges_the_calls_alone(slow):
     spans, sleeps = slow
     spans[(128, 64)] = ((1, 8),)
@@ -296,7 +317,7 @@ def test_check_refuses_too_few_rounds_and_warns_when_nothing_was_checked(slow):
     patch(net, bias=True)
     with pytest.raises(ValueError, match="rounds=3: the estimate needs at least 4"):
         check(net, lambda: None, rounds=3)
-    with pytest.warns(PatchWarning, match="no call inside a patched layer's eager kernel intervals"):
+    with pytest.warns(PatchWarning, match="no call inside a patched layer's kernel intervals"):
         assert check(net, lambda: net(torch.randn(20, 64, dtype=torch.bfloat16)), rounds=4) == []
     assert net[0].tuner_spans == ((1, 8),)
 
@@ -422,7 +443,7 @@ def test_check_times_every_patched_shape_inside_the_forward_and_keeps_its_verdic
             assert all(c.m == 128 and c.speedup > 0 and c.log_se >= 0 and c.forward_speedup > 0 for c in found)
             every_m = ((1, 1 << 16),)
             kept = {(c.n, c.k): c.kept for c in found}
-            won = {(c.n, c.k): math.log(c.speedup) > 2 * c.log_se for c in found}  # the calls alone
+            won = {(c.n, c.k): c.calls_won for c in found}
             for layer, shape in layers.items():
                 if kept[shape] or won[shape]:
                     assert layer.tuner_spans == (every_m if kept[shape] else ())

@@ -200,8 +200,10 @@ class Checked:
     cuBLAS's device time over the kernel path's for its layers' calls in a
     run of the workload (`speedup`, with its standard error in log units),
     the least such ratio of host time among the model's forwards that made
-    those calls (`forward_speedup`; None when the workload called the layers
-    outside a forward of the model), and whether the kernel stays at that M."""
+    those calls with the eager intervals' kernels (`forward_speedup`; None
+    when no such forward did), whether the calls won (`calls_won`: the
+    kernel stays in compiled graphs at that M) and whether the forwards did
+    too (`kept`: it stays in eager calls)."""
 
     n: int
     k: int
@@ -210,6 +212,7 @@ class Checked:
     speedup: float
     log_se: float
     forward_speedup: float | None
+    calls_won: bool
     kept: bool
 
 
@@ -228,32 +231,35 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     shape and M the kernel stays only when its calls' speedup over cuBLAS
     (summed over the shape's layers in a run, `paired_speedup`) is above 1.0
     by two standard errors, and every forward that made those calls ran
-    faster with the kernels than without them (the forward's own estimate;
-    when some calls lost, the forwards are measured again without them, so
-    that a loser does not take the winners beside it down). Else the stretch
-    of the interval that M stands for goes to cuBLAS (`_trim`); compiled
-    intervals lose it only where the calls lost, since a compiled graph
-    fuses the kernels around the GEMM and does not pay the eager host cost
-    the forwards measured. Intervals no call of the workload fell in stay
-    as the maps made them. Returns what was measured, per shape and M."""
+    faster with the kernels than without them (the forward's own estimate).
+    Else the stretch of the interval that M stands for goes to cuBLAS
+    (`_trim`). Compiled intervals lose it only where the calls lost, since a
+    compiled graph fuses the kernels around the GEMM and does not pay the
+    eager host cost the forwards measured; so the calls are timed at the M
+    of both kinds of interval, and the forwards, when that was more than the
+    eager intervals' winners, again with those alone (a loser would take the
+    winners beside it down, and eager forwards never run a compiled-only
+    kernel). Intervals no call of the workload fell in stay as the maps made
+    them. Returns what was measured, per shape and M."""
     if rounds < 4:
         raise ValueError(f"check: rounds={rounds}: the estimate needs at least 4 (two of each order)")
-    layers = [m for m in model.modules() if type(m) is TunedLinear and m.tuner_spans]
+    layers = [m for m in model.modules() if type(m) is TunedLinear and (m.tuner_spans or m.tuner_compiled_spans)]
     spans = {layer: layer.tuner_spans for layer in layers}
-    calls, forwards = _measure(model, spans, workload, rounds)
+    timed = {layer: _union(layer.tuner_spans, layer.tuner_compiled_spans) for layer in layers}
+    calls, forwards = _measure(model, timed, workload, rounds)
     if not calls:
-        warnings.warn("tuner.check: the workload made no call inside a patched layer's eager kernel intervals: "
+        warnings.warn("tuner.check: the workload made no call inside a patched layer's kernel intervals: "
                       "nothing was checked", PatchWarning, stacklevel=2)
     wins = {key: math.log(est["speedup"]) > _CHECK_SE * est["log_se"] for key, est in calls.items()}
+    won = {layer: _trim(s, _verdicts(wins, layer)) for layer, s in spans.items()}
+    if won != timed:
+        forwards = _measure(model, won, workload, rounds)[1]
     forward_speedup = _least_speedups(forwards)
-    if not all(wins.values()):
-        won = {layer: _trim(s, _verdicts(wins, layer)) for layer, s in spans.items()}
-        forward_speedup.update(_least_speedups(_measure(model, won, workload, rounds)[1]))
     found, kept = [], {}
     for key in sorted(calls, key=lambda key: (key[0], key[1], str(key[2]), key[3])):  # dtypes do not order
         (n, k, dtype, m), est, whole = key, calls[key], forward_speedup.get(key)
         kept[key] = wins[key] and (whole is None or whole > 1.0)
-        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], whole, kept[key]))
+        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], whole, wins[key], kept[key]))
     for layer in layers:
         layer.tuner_spans = _trim(spans[layer], _verdicts(kept, layer))
         layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, _verdicts(wins, layer))
@@ -397,6 +403,17 @@ def _trim(spans: tuple[tuple[int, int], ...], verdicts: dict[int, bool]) -> tupl
             else:
                 kept.append((last + 1, end))
     return tuple(kept)
+
+
+def _union(*groups: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The M that any of the groups of spans covers, as spans."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(span for group in groups for span in group):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
 
 
 def _inside(m: int, spans: tuple[tuple[int, int], ...]) -> bool:
