@@ -246,10 +246,11 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     layers = [m for m in model.modules() if type(m) is TunedLinear and (m.tuner_spans or m.tuner_compiled_spans)]
     spans = {layer: layer.tuner_spans for layer in layers}
     timed = {layer: _union(layer.tuner_spans, layer.tuner_compiled_spans) for layer in layers}
-    calls, forwards = _measure(model, timed, workload, rounds)
+    calls, forwards = _measure(model, timed, workload, rounds) if layers else ({}, {})
     if not calls:
-        warnings.warn("tuner.check: the workload made no call inside a patched layer's kernel intervals: "
-                      "nothing was checked", PatchWarning, stacklevel=2)
+        why = ("the workload made no call inside a patched layer's kernel intervals" if layers
+               else "no layer of the model is patched with kernel intervals")
+        warnings.warn(f"tuner.check: {why}: nothing was checked", PatchWarning, stacklevel=2)
     wins = {key: math.log(est["speedup"]) > _CHECK_SE * est["log_se"] for key, est in calls.items()}
     won = {layer: _trim(s, _verdicts(wins, layer)) for layer, s in spans.items()}
     if won != timed:
@@ -353,6 +354,8 @@ class _CallTimer:
         self._inside = False
 
     def _start(self, layer: TunedLinear, args: tuple) -> None:
+        if not args:  # the input passed by keyword: the call goes untimed
+            return
         x = args[0]
         m = x.numel() // layer.in_features
         if _inside(m, self._spans[layer]) and layer._fits(x, x.reshape(-1, layer.in_features)):
