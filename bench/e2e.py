@@ -20,8 +20,8 @@ downloaded).
    on (a rerun skips what is current). `--tune-only` stops there.
 2. Check: each model's patched copy is checked (`tuner.check`) on one forward
    of each prefill case and one decode step at each batch, `--check-rounds`
-   rounds, as a user checks on their own workload: eager kernel intervals
-   whose kernel did not win inside the forward go back to cuBLAS.
+   rounds, as a user checks on their own workload: kernel intervals whose
+   kernel did not win inside the forward go back to cuBLAS (its doc).
 3. Runs, per model: prefill at each batch x seq (one forward of the prompt,
    no cache, logits of the last position; tokens/s = batch x seq / time) and
    decode at each batch (`--steps` greedy one-token steps into a static KV
@@ -32,8 +32,9 @@ downloaded).
    patched, as a user patches once and then runs: toggling one model
    between the variants would time the first call after each `patch`
    (a dynamo guard miss, the layers' launch caches refilled) instead. Each
-   copy plays each variant for half the rounds (`_both_ways`), so that what
-   sets one copy apart from the other cancels.
+   copy plays each variant for half the rounds, with its own KV cache, and
+   each variant leads half the rounds (`_both_ways`), so that what sets one
+   copy or one place in the order apart cancels.
    Layers with a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by
    default. The two variants alternate, timed on the host clock after a
    sync (the host's cost is part of what a user waits for): prefill one
