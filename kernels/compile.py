@@ -437,7 +437,7 @@ class _SplitKScratch:
         self.buf = None
         self._zero_end = 0
         self.captured: dict[int, object] = {}
-        self._outgrown: list = []
+        self._outgrown: list = []  # held only so that no graph's buffer is freed
 
     def for_problem(self, device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int):
         import torch
