@@ -82,7 +82,7 @@ from bench.record import save
 from tuner import check, dispatch, patch, unpatch
 from tuner.linears import build_model, linear_shapes
 from tuner.measure import paired_speedup, trimmed_mean
-from tuner.patch import host_costs
+from tuner.patch import PatchWarning, host_costs
 
 MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
 DEVICE = "cuda"
@@ -232,7 +232,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     spans = {name: (m.tuner_spans, m.tuner_compiled_spans) for name, m in tuned.named_modules()
              if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    record = {"model": name, "layers": args.layers, "patch_warnings": [str(w.message) for w in caught],
+    record = {"model": name, "layers": args.layers, "patch_warnings": [str(w.message) for w in caught if issubclass(w.category, PatchWarning)],
               "families": families, "check": [dataclasses.asdict(c) for c in checked],
               "kernel_spans": {name: {"eager": [list(span) for span in s[0]], "compiled": [list(span) for span in s[1]]}
                                for name, s in spans.items()},
@@ -264,13 +264,13 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
                     return pairs
 
                 case[mode] = {**_speed(_both_ways(models, mode, measure), batch * seq), "rel_err": max(errors)}
-            _report(name, f"prefill {batch}x{seq}", case)
+            _report(name, _label("prefill", case), case)
             record["prefill"].append(case)
             checkpoint(record)
         for batch in args.decode:
             record["decode"].append(_decode_case(models, batch, vocab, gen, args))
             record["decode"][-1]["kernel_calls"] = _kernel_calls(spans, linears, batch, batch)
-            _report(name, f"decode {batch}", record["decode"][-1])
+            _report(name, _label("decode", record["decode"][-1]), record["decode"][-1])
             checkpoint(record)
     del model, tuned, models
     torch._dynamo.reset()
@@ -366,6 +366,10 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
     return case
 
 
+def _label(kind: str, case: dict) -> str:
+    return f"{kind} {case['batch']}x{case['seq']}" if kind == "prefill" else f"{kind} {case['batch']}"
+
+
 def _report(name: str, label: str, case: dict) -> None:
     parts = [f"{name:12s} {label:16s}"]
     for mode in _MODES:
@@ -389,15 +393,28 @@ def run(args: argparse.Namespace, checkpoint) -> dict:
     for name in args.models:
         record["models"].append({})
         bench_model(name, args, lambda model: (record["models"].__setitem__(-1, model), checkpoint(record)))
-    cases = [c[mode] for m in record["models"] for kind in ("prefill", "decode") for c in m[kind]
-             for mode in _MODES if mode in c]
-    record["summary"] = {
+    record["summary"] = summarize(record["models"])
+    return record
+
+
+def summarize(models: list[dict]) -> dict:
+    """Over every case of every model: the speedups' least and geometric
+    mean, the cases slower past their noise, those where the patched copy
+    made no kernel call, and the outputs' worst error."""
+    runs = [(f"{m['model']} {_label(kind, c)} {mode}", c, mode) for m in models
+            for kind in ("prefill", "decode") for c in m[kind] for mode in _MODES if mode in c]
+    cases = [c[mode] for _, c, mode in runs]
+    return {
         "cases": len(cases), "min_speedup": min(c["speedup"] for c in cases),
         "geomean_speedup": math.exp(statistics.fmean(math.log(c["speedup"]) for c in cases)),
+        # Slower only where the estimate is below 1.0 by more than its noise.
+        "slower_beyond_2se": [label for label, c, mode in runs
+                              if math.log(c[mode]["speedup"]) + 2 * c[mode]["log_se"] < 0],
+        # The patched copy ran the unpatched code there: its ratio is noise around 1.0.
+        "without_kernel_calls": [label for label, c, mode in runs if not c["kernel_calls"][mode][0]],
         "max_rel_err": max(c["rel_err"] for c in cases),
         "outputs_within_limit": all(c["rel_err"] <= REL_ERR_LIMIT for c in cases),
     }
-    return record
 
 
 def main() -> None:

@@ -184,6 +184,25 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     assert all(type(m) is nn.Linear for m in net)
 
 
+def test_the_e2e_summary_calls_a_case_slower_only_past_its_noise():
+    from bench.e2e import summarize
+
+    def mode(speedup, log_se, err=1e-2):
+        return {"speedup": speedup, "log_se": log_se, "rel_err": err}
+
+    models = [{"model": "m", "prefill": [{"batch": 1, "seq": 512, "kernel_calls": {"eager": [0, 15], "compiled": [2, 15]},
+                                          "eager": mode(0.996, 0.003), "compiled": mode(1.02, 0.004)}],
+               "decode": [{"batch": 16, "kernel_calls": {"eager": [1, 15], "compiled": [1, 15]},
+                           "eager": mode(0.99, 0.004, 3e-2), "compiled": mode(1.0, 0.0)}]}]
+    s = summarize(models)
+    assert s["cases"] == 4 and s["min_speedup"] == 0.99
+    assert s["geomean_speedup"] == pytest.approx((0.996 * 1.02 * 0.99) ** 0.25)
+    # 0.996 is 1.3 se below 1.0 and 0.99 is 2.5 se below: only the second is slower.
+    assert s["slower_beyond_2se"] == ["m decode 16 eager"]
+    assert s["without_kernel_calls"] == ["m prefill 1x512 eager"]
+    assert s["max_rel_err"] == 3e-2 and s["outputs_within_limit"] is False
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prefill", "1x512,4x1024", "--kernel", "8x8=sm90-static_persistent-t128x128-c1x1-s4-w4m"],
      "--prefill takes one batch x seq"),
