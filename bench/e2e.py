@@ -44,7 +44,8 @@ downloaded).
    kernel measured 0.96-1.04x). The speedup is patched over unpatched
    tokens/s from the paired log ratios, the pairs where patched ran first
    and those where it ran second averaged apart (`paired_speedup`), with
-   its standard error.
+   its standard error (or half the log distance between the two halves'
+   estimates, where that is larger: `_speed`).
 4. Outputs: patched logits against unpatched ones (relative Frobenius error of
    the prefill logits and of the first decode step's) and the share of
    greedy decode tokens that agree.
@@ -151,17 +152,22 @@ def _paired(trial, rounds: int, lead: tuple[str, str]) -> list[tuple[float, floa
     return pairs
 
 
-def _speed(pairs: list[tuple[float, float, bool]], per_s: int) -> dict:
+def _speed(halves: list[list[tuple[float, float, bool]]], per_s: int) -> dict:
     """Tokens per second of each variant (`per_s` tokens a sample) and the
-    speedup (`paired_speedup`) of the pairs."""
+    speedup (`paired_speedup`) of the pairs of both halves (`_both_ways`).
+    The standard error is the pairs' own, or half the log distance between
+    the halves' estimates where that is larger: what the copies' roles set
+    apart is noise the pairs inside one half cannot see."""
+    pairs = [p for half in halves for p in half]
     est = paired_speedup(pairs)
+    split = [paired_speedup(half)["speedup"] for half in halves]
     times = {"unpatched": [u for u, _, _ in pairs], "patched": [p for _, p, _ in pairs]}
     return {"tokens_per_s": {v: per_s / trimmed_mean(t) for v, t in times.items()}, "speedup": est["speedup"],
-            "log_se": est["log_se"], "order_effect": est["order_effect"], "log_spread": est["spread"],
-            "pairs": est["samples"]}
+            "log_se": max(est["log_se"], abs(math.log(split[0] / split[1])) / 2), "halves": split,
+            "order_effect": est["order_effect"], "log_spread": est["spread"], "pairs": est["samples"]}
 
 
-def _both_ways(models: dict, mode: str, measure) -> list[tuple[float, float, bool]]:
+def _both_ways(models: dict, mode: str, measure) -> list[list[tuple[float, float, bool]]]:
     """The pairs of `measure(fns, lead)` ({variant: callable}, the order to
     run them in first -> pairs), run with the variants as they are and again
     with the copies' roles swapped (`_swap`) and the other variant leading,
@@ -169,15 +175,15 @@ def _both_ways(models: dict, mode: str, measure) -> list[tuple[float, float, boo
     where its tensors and its KV cache lie in memory, which one compiles
     first (copies that ran the same code measured up to 0.6 % apart in a
     decode step). Compiled callables start from an empty dynamo cache, so
-    each case compiles for its own static shapes. The roles are as they
-    were after."""
-    pairs = []
+    each case compiles for its own static shapes. Returns the two halves'
+    pairs; the roles are as they were after."""
+    halves = []
     for lead in (VARIANTS, VARIANTS[::-1]):
         if mode == "compiled":
             torch._dynamo.reset()
-        pairs += measure({v: torch.compile(m) if mode == "compiled" else m for v, m in models.items()}, lead)
+        halves.append(measure({v: torch.compile(m) if mode == "compiled" else m for v, m in models.items()}, lead))
         _swap(models)
-    return pairs
+    return halves
 
 
 def _swap(models: dict) -> None:
@@ -226,7 +232,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
         checked = check(tuned, _workload(tuned, args), rounds=args.check_rounds) if args.check_rounds else []
     for c in checked:
         print(f"{name:12s} check {c.n}x{c.k} M={c.m}: calls x{c.speedup:.3f} (2 se {2 * c.log_se:.3f}), "
-              f"forwards x{c.forward_speedup or math.nan:.3f}: "
+              f"forwards x{c.forward_speedup or math.nan:.3f} (2 se {2 * (c.forward_log_se or math.nan):.3f}): "
               f"{'kept' if c.kept else 'compiled only' if c.calls_won else 'to cuBLAS'}", file=sys.stderr)
     models = {"unpatched": model, "patched": tuned}
     spans = {name: (m.tuner_spans, m.tuner_compiled_spans) for name, m in tuned.named_modules()

@@ -184,6 +184,20 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     assert all(type(m) is nn.Linear for m in net)
 
 
+def test_the_e2e_speed_counts_the_halves_disagreement_as_noise():
+    from bench.e2e import _speed
+
+    def half(ratio):  # (unpatched s, patched s, patched first), both orders, a little spread
+        return [(ratio * (1 + e), 1.0, first) for first in (True, False) for e in (-1e-4, 0.0, 1e-4)]
+
+    agree = _speed([half(1.01), half(1.01)], per_s=100)
+    assert agree["speedup"] == pytest.approx(1.01) and agree["log_se"] < 1e-4
+    apart = _speed([half(1.00), half(1.02)], per_s=100)
+    assert apart["halves"] == [pytest.approx(1.0), pytest.approx(1.02)]
+    assert apart["log_se"] == pytest.approx(math.log(1.02) / 2)
+    assert apart["tokens_per_s"]["patched"] == pytest.approx(100)
+
+
 def test_the_e2e_summary_calls_a_case_slower_only_past_its_noise():
     from bench.e2e import summarize
 

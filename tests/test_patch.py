@@ -2,6 +2,7 @@
 
 import importlib
 import math
+import random
 import warnings
 
 import pytest
@@ -297,6 +298,24 @@ def test_check_keeps_a_kernel_only_where_its_calls_and_their_forwards_won(slow):
     # Compiled graphs lose only what lost in the calls: they pay no eager forward's costs.
     assert net[0].tuner_compiled_spans == ((1, 3), (100, 200)) and net[2].tuner_compiled_spans == ((4, 8),)
     assert type(net[3]) is not TunedLinear
+
+
+def test_check_calls_a_forward_faster_only_within_its_noise_a_tie(slow):
+    """The calls save 1 % (exactly: the clock has no noise), but the
+    forwards around them swing by far more: eager calls go back to cuBLAS,
+    compiled graphs keep the kernel."""
+    spans, sleeps, clock = slow
+    spans[(128, 64)] = ((1, 8),)
+    sleeps[("cublas", 128, 2)] = 1e-5
+    net = _net()
+    jitter = random.Random(0)
+    net[1].register_forward_pre_hook(lambda mod, args: clock.sleep(jitter.uniform(0, 0.02)))
+    patch(net, bias=True)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    (found,) = check(net, lambda: net(x), rounds=16)
+    assert found.calls_won and found.speedup == pytest.approx(1.01) and found.forward_log_se > 0.05
+    assert not found.kept
+    assert (net[0].tuner_spans, net[0].tuner_compiled_spans) == ((), ((1, 8),))
 
 
 def test_check_times_the_calls_of_compiled_only_intervals_and_trims_them(slow, monkeypatch):

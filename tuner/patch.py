@@ -199,11 +199,12 @@ class Checked:
     """What `check` measured for one weight shape (N x K, dtype) at one M:
     cuBLAS's device time over the kernel path's for its layers' calls in a
     run of the workload (`speedup`, with its standard error in log units),
-    the least such ratio of host time among the model's forwards that made
-    those calls with the eager intervals' kernels (`forward_speedup`; None
-    when no such forward did), whether the calls won (`calls_won`: the
-    kernel stays in compiled graphs at that M) and whether the forwards did
-    too (`kept`: it stays in eager calls)."""
+    the ratio of host time of the model's forward that made those calls
+    with the eager intervals' kernels and had the least lower bound, with
+    its standard error (`forward_speedup`, `forward_log_se`; None when no
+    such forward did), whether the calls won (`calls_won`: the kernel stays
+    in compiled graphs at that M) and whether the forwards did too (`kept`:
+    it stays in eager calls)."""
 
     n: int
     k: int
@@ -212,6 +213,7 @@ class Checked:
     speedup: float
     log_se: float
     forward_speedup: float | None
+    forward_log_se: float | None
     calls_won: bool
     kept: bool
 
@@ -231,7 +233,9 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     shape and M the kernel stays only when its calls' speedup over cuBLAS
     (summed over the shape's layers in a run, `paired_speedup`) is above 1.0
     by two standard errors, and every forward that made those calls ran
-    faster with the kernels than without them (the forward's own estimate).
+    faster with the kernels than without them, by two of its own standard
+    errors (a forward no faster within its noise is a tie, and a tie goes
+    to cuBLAS).
     Else the stretch of the interval that M stands for goes to cuBLAS
     (`_trim`). Compiled intervals lose it only where the calls lost, since a
     compiled graph fuses the kernels around the GEMM and does not pay the
@@ -251,16 +255,17 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
         why = ("the workload made no call inside a patched layer's kernel intervals" if layers
                else "no layer of the model is patched with kernel intervals")
         warnings.warn(f"tuner.check: {why}: nothing was checked", PatchWarning, stacklevel=2)
-    wins = {key: math.log(est["speedup"]) > _CHECK_SE * est["log_se"] for key, est in calls.items()}
+    wins = {key: _beats(est) for key, est in calls.items()}
     won = {layer: _trim(s, _verdicts(wins, layer)) for layer, s in spans.items()}
     if won != timed:
         forwards = _measure(model, won, workload, rounds)[1] if any(won.values()) else {}
-    forward_speedup = _least_speedups(forwards)
+    least = _least_forwards(forwards)
     found, kept = [], {}
     for key in sorted(calls, key=lambda key: (key[0], key[1], str(key[2]), key[3])):  # dtypes do not order
-        (n, k, dtype, m), est, whole = key, calls[key], forward_speedup.get(key)
-        kept[key] = wins[key] and (whole is None or whole > 1.0)
-        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"], whole, wins[key], kept[key]))
+        (n, k, dtype, m), est, whole = key, calls[key], least.get(key)
+        kept[key] = wins[key] and (whole is None or _beats(whole))
+        found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"],
+                             whole and whole["speedup"], whole and whole["log_se"], wins[key], kept[key]))
     for layer in layers:
         layer.tuner_spans = _trim(spans[layer], _verdicts(kept, layer))
         layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, _verdicts(wins, layer))
@@ -301,13 +306,23 @@ def _measure(model: nn.Module, spans: dict, workload: Callable[[], object], roun
             {i: (paired_speedup(pairs), made[i]) for i, pairs in forwards.items()})
 
 
-def _least_speedups(forwards: dict) -> dict[tuple, float]:
-    """Per key, the least speedup of the forwards that made its calls."""
+def _beats(est: dict) -> bool:
+    """A `paired_speedup` estimate above 1.0 by `_CHECK_SE` standard errors."""
+    return math.log(est["speedup"]) > _CHECK_SE * est["log_se"]
+
+
+def _least_forwards(forwards: dict) -> dict[tuple, dict]:
+    """Per key, the estimate with the least lower bound among the forwards that made its calls."""
     least = {}
     for est, keys in forwards.values():
         for key in keys:
-            least[key] = min(est["speedup"], least.get(key, math.inf))
+            if key not in least or _lower(est) < _lower(least[key]):
+                least[key] = est
     return least
+
+
+def _lower(est: dict) -> float:
+    return math.log(est["speedup"]) - _CHECK_SE * est["log_se"]
 
 
 def _verdicts(kept: dict[tuple, bool], layer: TunedLinear) -> dict[int, bool]:
