@@ -238,7 +238,8 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     spans = {name: (m.tuner_spans, m.tuner_compiled_spans) for name, m in tuned.named_modules()
              if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    record = {"model": name, "layers": args.layers, "patch_warnings": [str(w.message) for w in caught if issubclass(w.category, PatchWarning)],
+    warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
+    record = {"model": name, "layers": args.layers, "patch_warnings": warned,
               "families": families, "check": [dataclasses.asdict(c) for c in checked],
               "kernel_spans": {name: {"eager": [list(span) for span in s[0]], "compiled": [list(span) for span in s[1]]}
                                for name, s in spans.items()},

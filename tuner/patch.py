@@ -262,10 +262,10 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     least = _least_forwards(forwards)
     found, kept = [], {}
     for key in sorted(calls, key=lambda key: (key[0], key[1], str(key[2]), key[3])):  # dtypes do not order
-        (n, k, dtype, m), est, whole = key, calls[key], least.get(key)
-        kept[key] = wins[key] and (whole is None or _beats(whole))
+        (n, k, dtype, m), est, whole = key, calls[key], least.get(key, {})
+        kept[key] = wins[key] and (not whole or _beats(whole))
         found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"],
-                             whole and whole["speedup"], whole and whole["log_se"], wins[key], kept[key]))
+                             whole.get("speedup"), whole.get("log_se"), wins[key], kept[key]))
     for layer in layers:
         layer.tuner_spans = _trim(spans[layer], _verdicts(kept, layer))
         layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, _verdicts(wins, layer))
@@ -308,7 +308,7 @@ def _measure(model: nn.Module, spans: dict, workload: Callable[[], object], roun
 
 def _beats(est: dict) -> bool:
     """A `paired_speedup` estimate above 1.0 by `_CHECK_SE` standard errors."""
-    return math.log(est["speedup"]) > _CHECK_SE * est["log_se"]
+    return _lower(est) > 0
 
 
 def _least_forwards(forwards: dict) -> dict[tuple, dict]:
@@ -322,6 +322,7 @@ def _least_forwards(forwards: dict) -> dict[tuple, dict]:
 
 
 def _lower(est: dict) -> float:
+    """The log speedup less `_CHECK_SE` standard errors."""
     return math.log(est["speedup"]) - _CHECK_SE * est["log_se"]
 
 
