@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from tuner.linears import ModelSourceError, build_model, linear_shapes, shapes_from_model, shipped_models
@@ -159,7 +160,6 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     import copy
     import importlib
 
-    import torch
 
     from bench.e2e import _swap
     from tuner import dispatch, patch
@@ -182,6 +182,19 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     _swap(models)
     assert models["patched"] is first and first[0].tuner_spans == ((1, 3),) and type(first[1]) is nn.Linear
     assert all(type(m) is nn.Linear for m in net)
+
+
+def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():
+    from bench.patch_overhead import _set
+    from tuner.patch import TunedLinear
+
+    net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8), nn.Linear(8, 4, bias=False))
+    x = torch.randn(3, 8)
+    want = net(x)
+    assert _set(net, "tuned") == 2
+    assert [type(m) for m in net] == [TunedLinear, nn.Linear, TunedLinear]
+    assert torch.equal(net(x), want)  # every call outside the intervals: F.linear
+    assert _set(net, "plain") == 0 and all(type(m) is nn.Linear for m in net)
 
 
 def test_the_e2e_speed_counts_the_halves_disagreement_as_noise():
