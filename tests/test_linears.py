@@ -160,7 +160,6 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     import copy
     import importlib
 
-
     from bench.e2e import _swap
     from tuner import dispatch, patch
     from tuner.lookup import Span
