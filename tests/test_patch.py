@@ -72,6 +72,26 @@ def test_a_model_without_cuda_tensors_is_left_as_it_is_with_a_warning():
         patch(nn.Sequential(nn.ReLU()))
 
 
+def test_a_layer_turns_calls_away_by_bounds_that_follow_its_intervals(spy):
+    calls, spans = spy
+    spans[(128, 64)] = ((4, 8),)
+    net = _net()
+    patch(net, bias=True)
+    layer = net[0]
+    with torch.no_grad():
+        for m in (3, 4, 9):
+            layer(torch.randn(m, 64, dtype=torch.bfloat16))
+        assert calls == [(4, 128)]
+        layer.tuner_spans = ((16, 32),)  # as check or a bench leaves them
+        layer.tuner_compiled_spans = ()
+        layer(torch.randn(4, 64, dtype=torch.bfloat16))
+        layer(torch.randn(20, 64, dtype=torch.bfloat16))
+    assert calls == [(4, 128), (20, 128)]
+    unpatch(net)
+    assert type(layer) is nn.Linear and not hasattr(layer, "tuner_spans")
+    assert not {"_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "tuner_launchers"} & set(vars(layer))
+
+
 def test_patch_swaps_only_plain_linears_and_unpatch_restores_them(spy):
     _, spans = spy
     spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),), (32, 32): ((1, 8),)})
