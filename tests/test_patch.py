@@ -82,8 +82,8 @@ def test_a_layer_turns_calls_away_by_bounds_that_follow_its_intervals(spy):
         for m in (3, 4, 9):
             layer(torch.randn(m, 64, dtype=torch.bfloat16))
         assert calls == [(4, 128)]
-        layer.tuner_spans = ((16, 32),)  # as check or a bench leaves them
         layer.tuner_compiled_spans = ()
+        layer.tuner_spans = ((16, 32),)  # as check or a bench leaves them
         layer(torch.randn(4, 64, dtype=torch.bfloat16))
         layer(torch.randn(20, 64, dtype=torch.bfloat16))
     assert calls == [(4, 128), (20, 128)]
