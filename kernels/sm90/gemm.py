@@ -123,16 +123,12 @@ class Sm90GemmKernel:
         With swap_ab the kernel's A is the weight b and its B the
         activations a, and it writes out.T: the (n, m, 1) view of `c` whose
         first mode is contiguous (an M-major output)."""
+        m, n = c.shape
         if const_expr(self.swap_ab):
-            rows, cols = c.shape
-            ct = cute.make_tensor(
-                c.iterator, cute.make_layout((cols, rows, 1), stride=(1, c.stride[0], rows * c.stride[0]))
-            )
+            ct = cute.make_tensor(c.iterator, cute.make_layout((n, m, 1), stride=(1, c.stride[0], m * c.stride[0])))
             return self._operand_view(b, "tn"), self._operand_view(a, "tn"), ct
-        a3, b3 = self._operand_view(a, "tn"), self._operand_view(b, self.layout)
-        m, n = a.shape[0], (b.shape[0] if const_expr(self.layout == "tn") else b.shape[1])
         c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.stride[0], 1, m * c.stride[0])))
-        return a3, b3, c3
+        return self._operand_view(a, "tn"), self._operand_view(b, self.layout), c3
 
     def _operand_view(self, t: cute.Tensor, layout: str):
         """The (rows, k, l) view of a K-major ("tn") or (k, rows) row-major
