@@ -35,7 +35,7 @@ import time
 import torch
 from torch import nn
 
-from bench.e2e import VARIANTS, _paired
+from bench.e2e import VARIANTS, _paired, _pairs
 from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner.linears import build_model
@@ -98,18 +98,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--prefill", default="1x512", help="batch x seq of the forward")
+    parser.add_argument("--prefill", type=_pairs, default=_pairs("1x512"), help="one batch x seq")
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--db", default=None, help="Also time `tuner.patch` on this database.")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    batch, seq = (int(v) for v in args.prefill.split("x"))
+    if len(args.prefill) != 1:
+        parser.error("--prefill takes one batch x seq")
+    (batch, seq), = args.prefill
     torch.manual_seed(0)
     model = build_model(args.model, num_layers=args.layers, device="cuda", dtype=torch.bfloat16)
     models = [model, copy.deepcopy(model)]
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), device="cuda")
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "layers": args.layers, "prefill": args.prefill, "rounds": args.rounds, "variants": []}
+              "layers": args.layers, "prefill": f"{batch}x{seq}", "rounds": args.rounds, "variants": []}
     variants = ("plain", "tuned", "patch") if args.db else ("plain", "tuned")
     if args.db:
         dispatch.configure(args.db)

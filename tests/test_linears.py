@@ -240,3 +240,13 @@ def test_the_e2e_profile_names_bad_arguments(args, message):
     proc = subprocess.run([sys.executable, "-m", "bench.e2e_profile", "--model", "gemma-3-27b", *args],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("prefill, message", [
+    ("abc", "argument --prefill: invalid _pairs value: 'abc'"),
+    ("1x512,4x1024", "--prefill takes one batch x seq"),
+])
+def test_patch_overhead_names_a_bad_prefill(prefill, message):
+    proc = subprocess.run([sys.executable, "-m", "bench.patch_overhead", "--prefill", prefill],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
