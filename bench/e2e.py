@@ -271,13 +271,13 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
                     return pairs
 
                 case[mode] = {**_speed(_both_ways(models, mode, measure), batch * seq), "rel_err": max(errors)}
-            _report(name, _label("prefill", case), case)
+            _report(name, "prefill", case)
             record["prefill"].append(case)
             checkpoint(record)
         for batch in args.decode:
             record["decode"].append(_decode_case(models, batch, vocab, gen, args))
             record["decode"][-1]["kernel_calls"] = _kernel_calls(spans, linears, batch, batch)
-            _report(name, _label("decode", record["decode"][-1]), record["decode"][-1])
+            _report(name, "decode", record["decode"][-1])
             checkpoint(record)
     del model, tuned, models
     torch._dynamo.reset()
@@ -377,8 +377,8 @@ def _label(kind: str, case: dict) -> str:
     return f"{kind} {case['batch']}x{case['seq']}" if kind == "prefill" else f"{kind} {case['batch']}"
 
 
-def _report(name: str, label: str, case: dict) -> None:
-    parts = [f"{name:12s} {label:16s}"]
+def _report(name: str, kind: str, case: dict) -> None:
+    parts = [f"{name:12s} {_label(kind, case):16s}"]
     for mode in _MODES:
         if mode in case:
             c, (hits, calls) = case[mode], case["kernel_calls"][mode]
