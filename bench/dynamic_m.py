@@ -1,13 +1,16 @@
 """`gemm` against cuBLAS at M values the ladders did not tune, per family.
 
     python -m bench.dynamic_m --db DB --shapes FILE [FILE ...] [--only GLOB] [--points 64] [--seed 0]
-                              [--rounds 60] [--out bench/results]
+                              [--m M,M,...] [--rounds 60] [--out bench/results]
 
 For every family (N, K) of the shape files, tuned beforehand into DB with
 `tuner tune --backend gpu` (ladders on), times `tuner.gemm(x, W.t())`
 against `F.linear(x, W)` at `--points` M values drawn log-uniformly from 1 to
 8192 with a fixed seed, skipping every M the family has a winner at, and at
-the ladder's rungs (the listed M and the powers of two). Each path is
+the ladder's rungs (the listed M and the powers of two). `--m` times the
+M values given instead of random ones (JSON key `chosen`, file
+`...-dynamic-m-chosen.json`): a second look,
+with more rounds, at points a run found close. Each path is
 captured in a CUDA graph of one call (so the host's dispatch cost, which
 `bench.dispatch` reports, does not blur device time)
 and timed with CUDA events around one replay after a write of twice the L2
@@ -51,6 +54,13 @@ def random_ms(count: int, seed: int, exclude: set[int]) -> list[int]:
         if m not in exclude:
             out.add(m)
     return sorted(out)
+
+
+def _ms(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",")]
+    if not values or min(values) < 1:
+        raise ValueError(text)
+    return values
 
 
 def families(paths: list[str], only: str) -> dict[tuple[int, int], tuple[str, list[int]]]:
@@ -140,15 +150,17 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     record = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "seed": args.seed,
               "rounds": args.rounds, "families": []}
-    all_random, all_rungs = [], []
+    all_sampled, all_rungs = [], []
+    sample = "chosen" if args.m else "random"
     fams = families(args.shapes, args.only)
     print(f"compiled {compile_choices(args.db, fams)} kernels", file=sys.stderr)
     for (n, k), (name, listed) in fams.items():
         ladder = rungs(listed)
         tuned = set(ladder) | _tuned_m(args.db, n, k)
         w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
-        fam = {"name": name, "n": n, "k": k, "rungs": ladder, "random": [], "at_rungs": []}
-        for kind, ms in (("random", random_ms(args.points, args.seed, tuned)), ("at_rungs", ladder)):
+        fam = {"name": name, "n": n, "k": k, "rungs": ladder, "at_rungs": []}
+        fam[sample] = []
+        for kind, ms in ((sample, args.m or random_ms(args.points, args.seed, tuned)), ("at_rungs", ladder)):
             for m in ms:
                 x = (torch.randn(m, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
                 why = dispatch.explain(x, w.t())
@@ -159,15 +171,15 @@ def run(args: argparse.Namespace) -> dict:
                     "path": why.path, "config": why.config_name, "interval": why.interval,
                     "rel_err": err,
                 })
-        fam["summary"] = {"random": summary(fam["random"]), "at_rungs": summary(fam["at_rungs"])}
+        fam["summary"] = {sample: summary(fam[sample]), "at_rungs": summary(fam["at_rungs"])}
         s = fam["summary"]
-        print(f"{name:22s} random geomean {s['random']['geomean']:.3f} min {s['random']['min']:.3f}"
+        print(f"{name:22s} {sample} geomean {s[sample]['geomean']:.3f} min {s[sample]['min']:.3f}"
               f" | rungs geomean {s['at_rungs']['geomean']:.3f} min {s['at_rungs']['min']:.3f}",
               file=sys.stderr)
-        all_random += fam["random"]
+        all_sampled += fam[sample]
         all_rungs += fam["at_rungs"]
         record["families"].append(fam)
-    record["summary"] = {"random": summary(all_random), "at_rungs": summary(all_rungs)}
+    record["summary"] = {sample: summary(all_sampled), "at_rungs": summary(all_rungs)}
     return record
 
 
@@ -178,11 +190,12 @@ def main() -> None:
     parser.add_argument("--only", default="*", help="Only families whose key name matches this glob.")
     parser.add_argument("--points", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--m", type=_ms, default=None, help="Comma-separated M to time instead of random ones.")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     record = run(args)
-    save(record, args.out, f"{device_slug(record['device'])}-dynamic-m")
+    save(record, args.out, f"{device_slug(record['device'])}-dynamic-m" + ("-chosen" if args.m else ""))
 
 
 if __name__ == "__main__":

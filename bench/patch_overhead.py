@@ -3,7 +3,7 @@ model whose linear layers are `TunedLinear` with intervals the forward never
 falls in, against the same model unpatched.
 
     python -m bench.patch_overhead [--model qwen2.5-7b] [--layers 2] [--prefill 1x512]
-                                   [--rounds 300] [--db DB] [--out bench/results]
+                                   [--rounds 300] [--db DB] [--compiled] [--out bench/results]
 
 Two copies of the model (`transformers`, shipped config, random bf16
 weights). Per variant of the second copy's bias-free linear layers:
@@ -21,7 +21,11 @@ and the whole forward (after the sync), medians. A forward whose enqueue
 time is its whole time waits on the host, where a layer's extra Python is
 the cost.
 
-Writes `<out>/<device-slug>-patch-overhead.json` ($OUT instead when set).
+With `--compiled` both copies run under `torch.compile` (each half from an
+empty dynamo cache), where a layer's interval test is traced away and only
+its guards are left.
+
+Writes `<out>/<device-slug>-patch-overhead[-compiled].json` ($OUT instead when set).
 """
 
 from __future__ import annotations
@@ -70,13 +74,16 @@ def _forward(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
     return queued - start, time.perf_counter() - start
 
 
-def measure(models: list[nn.Module], variant: str, ids: torch.Tensor, rounds: int) -> dict:
+def measure(models: list[nn.Module], variant: str, ids: torch.Tensor, rounds: int, compiled: bool = False) -> dict:
     """`variant` on one copy against the other left plain, both ways round."""
     pairs, enqueue, whole = [], {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
     for half, lead in enumerate((VARIANTS, VARIANTS[::-1])):
         roles = dict(zip(VARIANTS, models if half == 0 else models[::-1], strict=True))
         layers = _set(roles["patched"], variant)
         _set(roles["unpatched"], "plain")
+        if compiled:
+            torch._dynamo.reset()
+            roles = {v: torch.compile(m) for v, m in roles.items()}
 
         def trial(order):
             s = {}
@@ -101,6 +108,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=_pairs, default=_pairs("1x512"), help="one batch x seq")
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--db", default=None, help="Also time `tuner.patch` on this database.")
+    parser.add_argument("--compiled", action="store_true", help="Both copies under torch.compile.")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if len(args.prefill) != 1:
@@ -111,18 +119,20 @@ def main() -> None:
     models = [model, copy.deepcopy(model)]
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), device="cuda")
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "layers": args.layers, "prefill": f"{batch}x{seq}", "rounds": args.rounds, "variants": []}
+              "layers": args.layers, "prefill": f"{batch}x{seq}", "rounds": args.rounds,
+              "mode": "compiled" if args.compiled else "eager", "variants": []}
     variants = ("plain", "tuned", "patch") if args.db else ("plain", "tuned")
     if args.db:
         dispatch.configure(args.db)
     with torch.inference_mode():
         for variant in variants * 2:
-            record["variants"].append(measure(models, variant, ids, args.rounds))
+            record["variants"].append(measure(models, variant, ids, args.rounds, args.compiled))
             r = record["variants"][-1]
             print(f"{variant:6s} {r['layers']} layers: x{r['speedup']:.4f} (2 se {2 * r['log_se']:.4f}) "
                   f"enqueue {r['enqueue_us']['patched']:.0f} / {r['enqueue_us']['unpatched']:.0f} us, "
                   f"forward {r['forward_us']['patched']:.0f} / {r['forward_us']['unpatched']:.0f} us")
-    save(record, os.environ.get("OUT") or args.out, f"{device_slug(torch.cuda.get_device_name())}-patch-overhead")
+    stem = f"{device_slug(torch.cuda.get_device_name())}-patch-overhead" + ("-compiled" if args.compiled else "")
+    save(record, os.environ.get("OUT") or args.out, stem)
 
 
 if __name__ == "__main__":

@@ -269,3 +269,19 @@ def test_rungs_of_a_few_rows_are_seeded_with_swap_ab(tmp_path):
     for m in small:
         seeds = swap_seeds(keys[0].with_m(m))
         assert seeds and set(seeds) <= {c for at, c in backend.measured if at == m}
+
+
+def test_dynamic_m_draws_the_same_untuned_m_every_run():
+    from bench.dynamic_m import random_ms
+
+    tuned = set(rungs([1, 16, 128, 512, 2048, 8192]))
+    ms = random_ms(64, 0, tuned)
+    assert ms == random_ms(64, 0, tuned) != random_ms(64, 1, tuned)
+    assert len(ms) == 64 and not tuned & set(ms) and 1 <= min(ms) and max(ms) <= 8192
+
+
+@pytest.mark.parametrize("m", ["0,3", "a", ""])
+def test_dynamic_m_names_a_bad_m_list(m):
+    proc = subprocess.run([sys.executable, "-m", "bench.dynamic_m", "--db", "x.db", "--shapes", "x.txt", "--m", m],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "argument --m: invalid _ms value" in proc.stderr, proc.stderr
