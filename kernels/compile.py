@@ -429,8 +429,10 @@ class _SplitKScratch:
     A CUDA graph replays its launches with no host code in between, so
     that bookkeeping cannot cover them: a launch captured into a graph gets
     a buffer of its own tile count, which only captured launches of that
-    count share (their semaphores and partials coincide). No buffer a graph
-    may hold is ever freed: an outgrown one is kept.
+    count share (their semaphores and partials coincide). Such a buffer is
+    cleared once, when the capture makes it, outside the graph
+    (`_zero_outside_capture`). No buffer a graph may hold is ever freed: an
+    outgrown one is kept.
     """
 
     def __init__(self):
@@ -449,10 +451,8 @@ class _SplitKScratch:
             if buf is None or buf.numel() < words:
                 if buf is not None:
                     self._outgrown.append(buf)
-                # Allocated and zeroed inside the capture: only the prefix that
-                # must be zero, since the graph repeats the clearing every replay.
                 buf = self.captured[tiles] = torch.empty(words, dtype=torch.int32, device=f"cuda:{device_index}")
-                buf[:SPLIT_K_COUNTERS + tiles].zero_()
+                _zero_outside_capture(buf[:SPLIT_K_COUNTERS + tiles])
             return buf
         if self.buf is None or self.buf.numel() < words:
             self.buf = torch.zeros(words, dtype=torch.int32, device=f"cuda:{device_index}")
@@ -462,6 +462,29 @@ class _SplitKScratch:
             self.buf[self._zero_end:semaphores_end].zero_()
         self._zero_end = min(max(self._zero_end, semaphores_end), split_k_partials_offset(tiles))
         return self.buf
+
+
+def _zero_outside_capture(view) -> None:
+    """Zero `view` now, on a stream no capture records. The kernels leave the
+    semaphores at zero, so only the first replay needs them cleared; a clear
+    captured into the graph would run before every replay, and at a few
+    microseconds' kernel that node cost up to 9 % (`bench.dynamic_m`, the
+    first split-K point of a family). The capture may forbid synchronizing
+    (its default, global mode): this thread relaxes that for the clear."""
+    import torch
+    from cuda.bindings import driver
+
+    relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    err, before = driver.cuThreadExchangeStreamCaptureMode(relaxed)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode: {err}")
+    try:
+        side = torch.cuda.Stream(device=view.device)
+        with torch.cuda.stream(side):
+            view.zero_()
+        side.synchronize()
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(before)
 
 
 _split_k_scratch: dict[tuple[int, int], _SplitKScratch] = {}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import random
-import re
 
 import pytest
 import torch
+from cuda.bindings import driver
 
 from kernels import compile as kc
 from kernels import space
@@ -360,6 +360,13 @@ def _sched_buf_is_clear() -> bool:
     return all(int(buf.abs().sum()) == 0 for buf in [*kc._sched_bufs.values(), *scratch])
 
 
+def _node_types(graph: torch.cuda.CUDAGraph) -> list:
+    """The node types of a graph captured with keep_graph=True."""
+    raw = driver.CUgraph(graph.raw_cuda_graph())
+    count = driver.cuGraphGetNodes(raw, 0)[2]
+    return [driver.cuGraphNodeGetType(node)[1] for node in driver.cuGraphGetNodes(raw, count)[1]]
+
+
 @pytest.mark.gpu
 def test_split_k_graphs_of_different_tile_counts_replay_in_any_order():
     """Graphs captured on one stream, largest problem first: a smaller
@@ -371,9 +378,11 @@ def test_split_k_graphs_of_different_tile_counts_replay_in_any_order():
     for i, (m, n, k) in enumerate([(1000, 3000, 4608), (300, 1024, 1536), (64, 256, 1536)]):
         a, b, ref = _operands(m, n, k, "tn", seed=i)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph):
             runner(a, b, out)
+        # The scratch is cleared once, outside the graph: no node but the kernel replays.
+        assert _node_types(graph) == [driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL]
         graphs.append((graph, out, ref, (a, b)))  # a graph does not keep its operands alive
     for graph, out, ref, _ in graphs[::-1] * 2:
         out.fill_(float("nan"))
