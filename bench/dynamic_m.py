@@ -14,18 +14,21 @@ with more rounds, at points a run found close. Each path is
 captured in a CUDA graph of one call (so the host's dispatch cost, which
 `bench.dispatch` reports, does not blur device time)
 and timed with CUDA events around one replay after a write of twice the L2
-size (the operands come from DRAM, as in a model's forward); the two paths
-alternate replay by replay, `--rounds` each; times are trimmed means
+size (the operands come from DRAM, as in a model's forward); the paths
+(and a second capture of cuBLAS, the bench's floor: `cublas_again`) take
+turns replay by replay, `--rounds` each; times are trimmed means
 (`tuner.measure.trimmed_mean`, as the tuner's validation uses), the ratio a
 trimmed mean of the rounds' paired log ratios. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
-times, cuBLAS / gemm, the path `gemm` took and the interval of the map
-behind it; per family and overall the geometric mean and the worst ratio.
+times, cuBLAS / gemm, cuBLAS / cuBLAS again, the path `gemm` took and the
+interval of the map behind it; per family and overall the geometric mean,
+the worst ratio and the floor's range.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import itertools
 import math
 import random
 import statistics
@@ -74,27 +77,33 @@ def families(paths: list[str], only: str) -> dict[tuple[int, int], tuple[str, li
     return out
 
 
-def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor) -> tuple[float, float, float]:
-    """ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands, alternating, and their ratio.
+def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor) -> tuple[float, float, float, float]:
+    """ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands,
+    their ratio, and the ratio of cuBLAS to a second capture of itself.
 
-    The ratio is taken pair by pair (the two replays of one round share the
-    clocks and the DRAM state) and averaged as a trimmed mean of log ratios:
-    the order alternates, so the second-in-pair penalty falls on each path
-    in half the rounds and cancels, where a ratio of the two trimmed means
-    keeps the drift between rounds in it.
+    Ratios are taken round by round (the replays of one round share the
+    clocks and the DRAM state) and averaged as a trimmed mean of log ratios;
+    the order cycles through every permutation, so a place in the round
+    weighs on each graph alike, where a ratio of two trimmed means keeps
+    the drift between rounds in it. The second cuBLAS graph is the bench's
+    floor: two captures of one call can differ (where torch's cuBLAS
+    workspace stands at capture time picks the algorithm), and a gemm that
+    runs cuBLAS is such a second capture.
     """
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     graphs = []
-    for call in (lambda: torch.mm(x, w.t(), out=out), lambda: dispatch.gemm(x, w.t(), out)):
+    cublas = lambda: torch.mm(x, w.t(), out=out)  # noqa: E731
+    for call in (cublas, lambda: dispatch.gemm(x, w.t(), out), cublas):
         call()  # gemm decides and builds before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call()
         graphs.append(graph)
-    times: list[list[float]] = [[], []]
+    orders = list(itertools.permutations(range(3)))
+    times: list[list[float]] = [[], [], []]
     for r in range(rounds):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for i in orders[r % len(orders)]:
             flush.add_(1)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -102,8 +111,10 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
             end.record()
             end.synchronize()
             times[i].append(start.elapsed_time(end))
-    paired = math.exp(trimmed_mean([math.log(c / g) for c, g in zip(*times, strict=True)]))
-    return trimmed_mean(times[0]), trimmed_mean(times[1]), paired
+
+    def paired(other: list[float]) -> float:
+        return math.exp(trimmed_mean([math.log(c / o) for c, o in zip(times[0], other, strict=True)]))
+    return trimmed_mean(times[0]), trimmed_mean(times[1]), paired(times[1]), paired(times[2])
 
 
 def compile_choices(db: str, fams) -> int:
@@ -137,7 +148,9 @@ def check(x: torch.Tensor, w: torch.Tensor) -> float:
 
 def summary(points: list[dict]) -> dict:
     ratios = [p["ratio"] for p in points]
+    again = [p["cublas_again"] for p in points]
     return {"geomean": math.exp(statistics.fmean(map(math.log, ratios))), "min": min(ratios),
+            "cublas_again_range": [min(again), max(again)],
             "kernel_share": sum(p["path"] == "kernel" for p in points) / len(points), "count": len(ratios)}
 
 
@@ -165,16 +178,17 @@ def run(args: argparse.Namespace) -> dict:
                 x = (torch.randn(m, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
                 why = dispatch.explain(x, w.t())
                 err = check(x, w)
-                cublas_ms, gemm_ms, ratio = time_pair(x, w, args.rounds, flush)
+                cublas_ms, gemm_ms, ratio, floor = time_pair(x, w, args.rounds, flush)
                 fam[kind].append({
-                    "m": m, "cublas_ms": cublas_ms, "gemm_ms": gemm_ms, "ratio": ratio,
+                    "m": m, "cublas_ms": cublas_ms, "gemm_ms": gemm_ms, "ratio": ratio, "cublas_again": floor,
                     "path": why.path, "config": why.config_name, "interval": why.interval,
                     "rel_err": err,
                 })
         fam["summary"] = {sample: summary(fam[sample]), "at_rungs": summary(fam["at_rungs"])}
         s = fam["summary"]
         print(f"{name:22s} {sample} geomean {s[sample]['geomean']:.3f} min {s[sample]['min']:.3f}"
-              f" | rungs geomean {s['at_rungs']['geomean']:.3f} min {s['at_rungs']['min']:.3f}",
+              f" | rungs geomean {s['at_rungs']['geomean']:.3f} min {s['at_rungs']['min']:.3f}"
+              f" | cuBLAS/cuBLAS {s[sample]['cublas_again_range'][0]:.3f}-{s[sample]['cublas_again_range'][1]:.3f}",
               file=sys.stderr)
         all_sampled += fam[sample]
         all_rungs += fam["at_rungs"]
