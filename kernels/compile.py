@@ -479,12 +479,30 @@ def _zero_outside_capture(view) -> None:
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuThreadExchangeStreamCaptureMode: {err}")
     try:
-        side = torch.cuda.Stream(device=view.device)
+        side = _side_stream(view.device)
         with torch.cuda.stream(side):
             view.zero_()
         side.synchronize()
     finally:
         driver.cuThreadExchangeStreamCaptureMode(before)
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device):
+    """A stream of our own on `device`: one from torch's pool may be the very
+    stream a capture is recording on (the pool hands its streams out in turn)."""
+    import torch
+    from cuda.bindings import driver
+
+    if device.index not in _side_streams:
+        with torch.cuda.device(device):
+            err, raw = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamCreate: {err}")
+        _side_streams[device.index] = torch.cuda.ExternalStream(int(raw), device=device)
+    return _side_streams[device.index]
 
 
 _split_k_scratch: dict[tuple[int, int], _SplitKScratch] = {}
