@@ -172,8 +172,7 @@ def run(args: argparse.Namespace) -> dict:
         ladder = rungs(listed)
         tuned = set(ladder) | _tuned_m(args.db, n, k)
         w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
-        fam = {"name": name, "n": n, "k": k, "rungs": ladder, "at_rungs": []}
-        fam[sample] = []
+        fam = {"name": name, "n": n, "k": k, "rungs": ladder, sample: [], "at_rungs": []}
         for kind, ms in ((sample, args.m or random_ms(args.points, args.seed, tuned)), ("at_rungs", ladder)):
             for m in ms:
                 x = (torch.randn(m, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)

@@ -284,7 +284,8 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
                else "no layer of the model is patched with kernel intervals")
         warnings.warn(f"tuner.check: {why}: nothing was checked", PatchWarning, stacklevel=2)
     wins = {key: _beats(est) for key, est in calls.items()}
-    won = {layer: _trim(s, _verdicts(wins, layer)) for layer, s in spans.items()}
+    calls_won = {layer: _verdicts(wins, layer) for layer in layers}
+    won = {layer: _trim(s, calls_won[layer]) for layer, s in spans.items()}
     if won != timed:
         forwards = _measure(model, won, workload, rounds)[1] if any(won.values()) else {}
     least = _least_forwards(forwards)
@@ -296,7 +297,7 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
                              whole.get("speedup"), whole.get("log_se"), wins[key], kept[key]))
     for layer in layers:
         layer.tuner_spans = _trim(spans[layer], _verdicts(kept, layer))
-        layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, _verdicts(wins, layer))
+        layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, calls_won[layer])
         if not layer.tuner_spans and not layer.tuner_compiled_spans:
             _restore(layer)
     return found
