@@ -50,7 +50,7 @@ SMEM_BYTES = {"sm90": 232448, "sm100": 232448}
 # scheduler's smem ring and the CLC response.
 SMEM_RESERVED = 1024
 # The sm90 epilogue stages the output through smem in sub-tiles of 32
-# columns, or 16 where 32 does not divide tile_n (`epi_subtile_n`): two fp32
+# columns, or 16, 24 or 8 where 32 does not divide tile_n (`epi_subtile_n`): two fp32
 # buffers' worth of bytes, more buffers for narrower outputs (`epi_buffers`).
 # Pingpong warpgroups share these buffers: their epilogues take turns.
 EPI_SUBTILE_MAX_N = 32
@@ -86,15 +86,13 @@ MAX_CLUSTER = {"sm90": 4, "sm100": 16}
 _KNOBS = {
     "sm90": {
         "scheduler": SCHEDULERS[:4],
-        # tile_m 192 is three 64-row consumer warpgroups. tile_n: WGMMA takes
-        # any multiple of 8 up to 256, but the TMA load of a K-major B tile
-        # of an odd number of 8-row swizzle atoms (72, 136, 152, 168, ...)
-        # does not build (make_tiled_tma_atom aborts in nvidia-cutlass-dsl
-        # 4.8.1), and the epilogue's stmatrix x4 stores 16 columns: so 16.
+        # tile_m 192 is three 64-row consumer warpgroups. tile_n: any
+        # multiple of 8 up to 256, as WGMMA takes, so that a tile can cut N
+        # into whole waves (Gemma 3 27B's N = 5376 is 32 tiles of 168).
         "tile_m": (64, 128, 192, 256),
         # Under 64 only with swap_ab: the activations' few rows on the MMA's
-        # N side (a single 8-row swizzle atom, 8, does not build: see above).
-        "tile_n": (16, 32, 48, *range(64, 257, 16)),
+        # N side.
+        "tile_n": tuple(range(8, 257, 8)),
         "cluster_m": (1, 2, 4),
         "cluster_n": (1, 2, 4),
         "stages": (2, 3, 4, 5, 6, 7, 8),
@@ -321,8 +319,13 @@ def smem_bytes(cfg: GemmConfig, dtype_in: str = "bf16") -> int:
 
 def epi_subtile_n(cfg: GemmConfig) -> int:
     """Columns of one sm90 epilogue sub-tile: the widest multiple of 16 up to
-    `EPI_SUBTILE_MAX_N` that divides tile_n (stmatrix x4 stores 16 a warp)."""
-    return max(w for w in range(16, EPI_SUBTILE_MAX_N + 1, 16) if cfg.tile_n % w == 0)
+    `EPI_SUBTILE_MAX_N` that divides tile_n (stmatrix x4 stores 16 a warp),
+    else of 8 (x2: tile_n 72, 168, ...)."""
+    for step in (16, 8):
+        fits = [w for w in range(step, EPI_SUBTILE_MAX_N + 1, step) if cfg.tile_n % w == 0]
+        if fits:
+            return max(fits)
+    raise InvalidConfig(f"tile_n {cfg.tile_n} is not a multiple of 8")
 
 
 def sm90_registers(cfg: GemmConfig) -> tuple[int, int]:

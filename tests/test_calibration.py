@@ -34,7 +34,7 @@ def measured_db(tmp_path_factory):
     store = Store(str(db))
     for n, k in FAMILIES:
         for m in (16, 2048):
-            tune_key(Key("sm90", DEVICE, Problem(m, n, k)), backend, store, Budget(trials=10), name=f"f{n}x{k}")
+            tune_key(Key("sm90", DEVICE, Problem(m, n, k)), backend, store, Budget(trials=14), name=f"f{n}x{k}")
     store.close()
     return db
 

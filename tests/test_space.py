@@ -20,10 +20,11 @@ def test_sm90_pool_size_and_scheduler_split():
     # Two claim depths for the atomic scheduler; single_tile has no swizzle.
     assert by_sched["dynamic_persistent"] == 2 * by_sched["static_persistent"]
     assert by_sched["single_tile"] * 4 == by_sched["static_persistent"]
-    # Pingpong: tile_m 64 (any width) or 128 up to 128 wide, no split-K.
+    # Pingpong: tile_m 64 (any width) or 128 up to 136 wide (136
+    # accumulators a thread), no split-K.
     pingpong = [c for c in configs if c.pingpong]
     assert {c.tile_m for c in pingpong} == {64, 128} and {c.split_k for c in pingpong} == {1}
-    assert max(c.tile_n for c in pingpong if c.tile_m == 128) == 128
+    assert max(c.tile_n for c in pingpong if c.tile_m == 128) == 136
     # Stream-K: the static walk's cooperative tiles the fixup takes (64, 128
     # or 256 rows, widths of whole 32-column sub-tiles), one K split (its own).
     stream_k = [c for c in configs if c.stream_k]
@@ -31,15 +32,15 @@ def test_sm90_pool_size_and_scheduler_split():
     assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
     # Clusters 1x1, 1x2, 2x1, 2x2, 1x4 and 4x1 (at most 4 CTAs).
     assert {(c.cluster_m, c.cluster_n) for c in configs} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)}
-    # swap_ab: 64 or 128 weight rows by 16 to 64 activation rows, cooperative,
+    # swap_ab: 64 or 128 weight rows by 8 to 64 activation rows, cooperative,
     # not stream-K, K whole or split.
     swap = [c for c in configs if c.swap_ab]
-    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in (16, 32, 48, 64)}
+    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in range(8, 65, 8)}
     assert not any(c.pingpong or c.stream_k for c in swap)
     assert {c.split_k for c in swap} == set(space.knobs("sm90")["split_k"])
     assert min(c.tile_n for c in configs if not c.swap_ab) == 64
-    assert len(configs) - len(pingpong) - len(stream_k) - len(swap) == 71292
-    assert len(pingpong) == 16536 and len(stream_k) == 3696 and len(swap) == 43680
+    assert len(configs) - len(pingpong) - len(stream_k) - len(swap) == 98124
+    assert len(pingpong) == 32604 and len(stream_k) == 3696 and len(swap) == 87360
 
 
 @pytest.mark.parametrize(
@@ -50,8 +51,10 @@ def test_sm90_pool_size_and_scheduler_split():
         dict(tile_m=64, tile_n=256, stages=5, cluster_m=2),
         dict(scheduler="dynamic_persistent", sched_depth=2),
         dict(split_k=4, tile_m=64, tile_n=128),
-        # Widths in steps of 16 (5376 = 30.5 x 176: one wave at M = 512).
+        # Widths in steps of 8 (5376 = 32 x 168: one wave at M = 512).
         dict(tile_m=128, tile_n=176, stages=5),
+        dict(tile_m=128, tile_n=168, stages=4, cluster_m=2),
+        dict(tile_m=64, tile_n=72, stages=8),
         dict(tile_m=64, tile_n=80, stages=8),
         dict(tile_m=256, tile_n=112, stages=4),
         # Three 64-row consumer warpgroups: 96 accumulators fit 128 registers.
@@ -83,11 +86,10 @@ def test_accepted(fields):
         (dict(scheduler="single_tile", swizzle=4), "single_tile"),
         (dict(cluster_m=2, cluster_n=4), "exceeds 4 CTAs"),
         (dict(cluster_m=8), "cluster_m=8"),
-        (dict(tile_n=72), "tile_n=72"),
-        # An odd multiple of 8: the K-major B TMA load does not build.
-        (dict(tile_n=168), "tile_n=168"),
+        (dict(tile_n=76), "tile_n=76"),
         (dict(tile_n=48), "swap_ab tiles only"),
-        (dict(tile_n=40), "tile_n=40"),
+        (dict(tile_n=40), "swap_ab tiles only"),
+        (dict(swap_ab=True, tile_n=12), "tile_n=12"),
         (dict(swap_ab=True, tile_n=128), "at most 64 activation rows"),
         (dict(swap_ab=True, tile_m=256, tile_n=32, stages=3), "64 or 128 weight rows"),
         (dict(swap_ab=True, tile_n=32, scheduler="stream_k"), "not stream-K"),
@@ -111,6 +113,8 @@ def test_accepted(fields):
         (dict(consumer="pingpong", tile_m=256, tile_n=64), "pingpong tile"),
         (dict(consumer="pingpong", tile_m=192, tile_n=64), "pingpong tile"),
         (dict(consumer="pingpong", tile_m=128, tile_n=144), "accumulator registers"),
+        # 184 accumulators against the 168 - 32 of a two-warpgroup launch.
+        (dict(tile_m=128, tile_n=184, stages=2, consumer="pingpong"), "accumulator registers"),
         (dict(consumer="pingpong", split_k=2, tile_m=64), "do not split K"),
         (dict(consumer="cooperativ"), "consumer='cooperativ'"),
         (dict(arch="sm100", consumer="pingpong"), "consumer='pingpong'"),
@@ -125,11 +129,14 @@ def test_epilogue_subtiles_divide_every_width_and_smem_counts_them():
     for tile_n in space.knobs("sm90")["tile_n"]:
         cfg = GemmConfig(tile_m=64, tile_n=tile_n, stages=2, swap_ab=tile_n < 64)
         width = space.epi_subtile_n(cfg)
-        assert tile_n % width == 0 and width % 16 == 0
+        # stmatrix x4 (16 columns) where tile_n allows, else x2 (8).
+        assert tile_n % width == 0 and (width % 16 == 0 or tile_n % 16)
         # Stages of A and B, two fp32 epilogue buffers, the reserve: exact.
         assert cfg.smem_bytes() == 2 * (64 + tile_n) * 64 * 2 + 64 * width * 4 * 2 + space.SMEM_RESERVED
     assert space.epi_subtile_n(GemmConfig(tile_n=176, stages=2)) == 16
     assert space.epi_subtile_n(GemmConfig(tile_n=224, stages=2)) == 32
+    assert space.epi_subtile_n(GemmConfig(tile_n=168, stages=2)) == 24
+    assert space.epi_subtile_n(GemmConfig(tile_n=136, stages=2)) == 8
 
 
 def test_register_budgets_fit_the_register_file():

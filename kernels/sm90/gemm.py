@@ -168,16 +168,27 @@ class Sm90GemmKernel:
         self.a_smem, self.b_smem, self.c_smem = self._smem_layouts()
 
     def _smem_layouts(self):
-        def staged(shape_mk, dtype, layout, stages):
+        """Staged A, B and C smem layouts, and one stage of A and B (the TMA
+        boxes). One stage is built on its own, not sliced from the staged
+        layout: slicing a swizzled layout of an odd number of 8-row atoms
+        (tile_n 72, 136, 168, ...) aborts in nvidia-cutlass-dsl 4.8.1."""
+        def operand(shape_mk, dtype, layout, stages=None):
             k_major = layout.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                 sm90_utils.get_smem_layout_atom(layout, dtype, shape_mk[1 if k_major else 0]), dtype
             )
+            if stages is None:
+                return cute.tile_to_shape(atom, shape_mk, order=(0, 1) if k_major else (1, 0))
             return cute.tile_to_shape(atom, (*shape_mk, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
 
         tm, tn, tk = self.tile_mnk
-        a_smem = staged((tm, tk), self.a_dtype, self.a_layout, self.stages)
-        b_smem = staged((tn, tk), self.b_dtype, self.b_layout, self.stages)
+        a_smem = operand((tm, tk), self.a_dtype, self.a_layout, self.stages)
+        b_smem = operand((tn, tk), self.b_dtype, self.b_layout, self.stages)
+        self.a_stage = operand((tm, tk), self.a_dtype, self.a_layout)
+        self.b_stage = operand((tn, tk), self.b_dtype, self.b_layout)
+        self.stage_bytes = cute.size_in_bytes(self.a_dtype, self.a_stage) + cute.size_in_bytes(
+            self.b_dtype, self.b_stage
+        )
         # A swap_ab output is M-major: its staging runs along the tile's rows.
         m_major = self.c_layout.is_m_major_c()
         c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
@@ -189,23 +200,21 @@ class Sm90GemmKernel:
         return a_smem, b_smem, c_smem
 
     @staticmethod
-    def _tma_load(tensor, smem_staged, tile, mcast):
+    def _tma_load(tensor, smem_stage, tile, mcast):
         op = (
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
             if mcast == 1
             else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
         )
-        return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=mcast
-        )
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, smem_stage, tile, num_multicast=mcast)
 
     def _tma_atoms(self, a3: cute.Tensor, b3: cute.Tensor, c3: cute.Tensor) -> tuple:
         """Derive the layouts for these operands, then the TMA atoms and
         tensors of A and B (loads, multicast in a cluster) and C (stores)."""
         self._setup(a3, b3, c3)
         tm, tn, tk = self.tile_mnk
-        tma_a, ta = self._tma_load(a3, self.a_smem, (tm, tk), self.a_mcast)
-        tma_b, tb = self._tma_load(b3, self.b_smem, (tn, tk), self.b_mcast)
+        tma_a, ta = self._tma_load(a3, self.a_stage, (tm, tk), self.a_mcast)
+        tma_b, tb = self._tma_load(b3, self.b_stage, (tn, tk), self.b_mcast)
         tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             c3,
@@ -507,7 +516,7 @@ class Sm90GemmKernel:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        load_pipe, ring, turns = self._pipelines(storage, a_smem, b_smem, cluster_layout)
+        load_pipe, ring, turns = self._pipelines(storage, cluster_layout)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -515,12 +524,9 @@ class Sm90GemmKernel:
         sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
         return cluster_layout, cluster_coord, a_mask, b_mask, storage, load_pipe, ring, turns, sA, sB, sC
 
-    def _pipelines(self, storage, a_smem, b_smem, cluster_layout):
+    def _pipelines(self, storage, cluster_layout):
         """(TMA load pipeline, claim ring or None, pingpong turns or None); barrier
         init is deferred to the cluster sync."""
-        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
-            self.b_dtype, cute.slice_(b_smem, (None, None, 0))
-        )
         # Every warp of the tile's consumers releases a stage once per CTA that filled it.
         releases = (self.a_mcast + self.b_mcast - 1) * self.tile_groups * _WARPS_PER_GROUP
         load_pipe = pipeline.PipelineTmaAsync.create(
@@ -528,7 +534,7 @@ class Sm90GemmKernel:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releases),
-            tx_count=stage_bytes,
+            tx_count=self.stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
             defer_sync=True,
         )
@@ -613,7 +619,11 @@ class Sm90GemmKernel:
         e = _Epilogue()
         # registers -> smem copy of one epilogue sub-tile
         r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=cutlass.Float32)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        # x4 stores 16 columns a warp, x2 eight (sub-tiles of tile_n 72, 168, ...).
+        matrices = 4 if self.epi_tile[1] % 16 == 0 else 2
+        stmatrix = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), matrices), self.c_dtype
+        )
         e.r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
         thr_r2s = e.r2s.get_slice(mma_tidx)
         e.sC = sC
