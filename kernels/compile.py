@@ -36,6 +36,7 @@ from kernels.space import (
     GemmConfig,
     InvalidConfig,
     check_operands,
+    check_output,
     split_k_partials_offset,
     split_k_scratch_words,
     split_k_tiles,
@@ -93,6 +94,7 @@ class Variant:
     def __post_init__(self) -> None:
         # Sizes 8 satisfy every alignment rule; this checks dtypes and layout.
         check_operands(8, 8, 8 * self.cfg.split_k, 1, self.dtype_in, self.dtype_out, self.layout)
+        check_output(self.cfg, self.dtype_out)
 
     @property
     def workspace(self) -> bool:

@@ -436,6 +436,10 @@ def validate(cfg: GemmConfig) -> None:
             raise InvalidConfig(f"tile_n={cfg.tile_n} is for swap_ab tiles only (activation rows)")
         if cfg.swap_ab and (cfg.tile_n > 64 or cfg.tile_m not in (64, 128)):
             raise InvalidConfig("a swap_ab tile is 64 or 128 weight rows by at most 64 activation rows")
+        # Activation rows of 24, 40 or 56 (odd numbers of 8-row swizzle
+        # atoms on the MMA's N side) crashed on the H100; 8 runs.
+        if cfg.swap_ab and cfg.tile_n % 16 and cfg.tile_n != 8:
+            raise InvalidConfig(f"a swap_ab tile takes 8 or a multiple of 16 activation rows, not {cfg.tile_n}")
         if cfg.swap_ab and (cfg.pingpong or cfg.stream_k):
             raise InvalidConfig("swap_ab tiles are cooperative and not stream-K")
         if cfg.pingpong and cfg.tile_m not in (64, 128):
@@ -491,6 +495,7 @@ def check_problem(
 ) -> None:
     """Raise InvalidConfig if `cfg` cannot run this problem (the can_implement check)."""
     check_operands(m, n, k, groups, dtype_in, dtype_out, layout)
+    check_output(cfg, dtype_out)
     if cfg.pingpong and groups > 1:
         raise InvalidConfig("pingpong consumers are not built for grouped GEMM")
     if cfg.swap_ab and (groups > 1 or layout != "tn"):
@@ -510,6 +515,16 @@ def check_problem(
                 f"split-K scratch of {split_k_scratch_words(cfg, m, n)} words for {m}x{n} "
                 f"exceeds int32 indexing; use fewer slices or larger tiles"
             )
+
+
+def check_output(cfg: GemmConfig, dtype_out: str) -> None:
+    """Raise InvalidConfig if `cfg`'s epilogue does not store `dtype_out`.
+
+    The sm90 epilogue of an 8-column multiple (tile_n 72, 168, ...) stages
+    16-bit outputs with stmatrix x2; its fp32 staging is built for 16-column
+    sub-tiles only (the H100 read wrong results)."""
+    if cfg.arch == "sm90" and not cfg.swap_ab and cfg.tile_n % 16 and DTYPE_BYTES[dtype_out] > 2:
+        raise InvalidConfig(f"tile_n {cfg.tile_n} (not a multiple of 16) stores 16-bit outputs, not {dtype_out}")
 
 
 def check_operands(

@@ -32,15 +32,15 @@ def test_sm90_pool_size_and_scheduler_split():
     assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
     # Clusters 1x1, 1x2, 2x1, 2x2, 1x4 and 4x1 (at most 4 CTAs).
     assert {(c.cluster_m, c.cluster_n) for c in configs} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)}
-    # swap_ab: 64 or 128 weight rows by 8 to 64 activation rows, cooperative,
-    # not stream-K, K whole or split.
+    # swap_ab: 64 or 128 weight rows by 8, 16, 32, 48 or 64 activation rows,
+    # cooperative, not stream-K, K whole or split.
     swap = [c for c in configs if c.swap_ab]
-    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in range(8, 65, 8)}
+    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in (8, 16, 32, 48, 64)}
     assert not any(c.pingpong or c.stream_k for c in swap)
     assert {c.split_k for c in swap} == set(space.knobs("sm90")["split_k"])
     assert min(c.tile_n for c in configs if not c.swap_ab) == 64
     assert len(configs) - len(pingpong) - len(stream_k) - len(swap) == 98124
-    assert len(pingpong) == 32604 and len(stream_k) == 3696 and len(swap) == 87360
+    assert len(pingpong) == 32604 and len(stream_k) == 3696 and len(swap) == 54600
 
 
 @pytest.mark.parametrize(
@@ -90,6 +90,7 @@ def test_accepted(fields):
         (dict(tile_n=48), "swap_ab tiles only"),
         (dict(tile_n=40), "swap_ab tiles only"),
         (dict(swap_ab=True, tile_n=12), "tile_n=12"),
+        (dict(swap_ab=True, tile_n=24), "8 or a multiple of 16"),
         (dict(swap_ab=True, tile_n=128), "at most 64 activation rows"),
         (dict(swap_ab=True, tile_m=256, tile_n=32, stages=3), "64 or 128 weight rows"),
         (dict(swap_ab=True, tile_n=32, scheduler="stream_k"), "not stream-K"),
@@ -127,6 +128,8 @@ def test_rejected(fields, reason):
 
 def test_epilogue_subtiles_divide_every_width_and_smem_counts_them():
     for tile_n in space.knobs("sm90")["tile_n"]:
+        if tile_n < 64 and tile_n % 16 and tile_n != 8:
+            continue  # not a swap_ab width
         cfg = GemmConfig(tile_m=64, tile_n=tile_n, stages=2, swap_ab=tile_n < 64)
         width = space.epi_subtile_n(cfg)
         # stmatrix x4 (16 columns) where tile_n allows, else x2 (8).
@@ -226,3 +229,14 @@ def test_round_trip_and_unknown_fields():
     assert GemmConfig.from_dict(pp.to_dict()) == pp
     with pytest.raises(InvalidConfig, match="unknown config fields"):
         GemmConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_eighth_widths_store_16_bit_outputs_only():
+    cfg = GemmConfig(tile_m=128, tile_n=168, stages=4)
+    for dtype_out in ("bf16", "fp16"):
+        space.check_problem(cfg, 512, 5376, 4096, dtype_out=dtype_out)
+    with pytest.raises(InvalidConfig, match="tile_n 168 .* not fp32"):
+        space.check_problem(cfg, 512, 5376, 4096, dtype_out="fp32")
+    # Multiples of 16, and swap_ab tiles (M-major output), store fp32 too.
+    space.check_problem(GemmConfig(tile_m=128, tile_n=176, stages=4), 512, 5376, 4096, dtype_out="fp32")
+    space.check_problem(GemmConfig(tile_n=8, stages=8, swap_ab=True), 4, 5376, 4096, dtype_out="fp32")

@@ -122,7 +122,9 @@ class DeviceModel:
     # 208, 240: the B tile's 8-row swizzle atoms are not a multiple of 4).
     # Measured on the H100 (such tiles ran 4-22 % slower than the next width
     # that is a multiple of 32, whatever their wave fit); the cause is not
-    # established.
+    # established. Twice that for an odd multiple of 8 (an odd number of
+    # atoms): 128x184 ran 16 % behind 128x176 on 27B o at M = 512, both in
+    # one wave (bench.sm90_variants, `...-sm90-variants-eighths.json`).
     wgmma_n16_clk: float = 0.0
     launch_us: float = 2.0             # kernel launch + drain, back to back
     cta_start_us: float = 1.0          # CTA launch, barrier init, descriptor prefetch, exit
@@ -538,7 +540,7 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     if cfg.arch == "sm90":
         # One wgmma.m64nNk16 per 64 rows per 16 of depth, each with a fixed
         # issue cost on top of its MMA clocks.
-        per_wgmma = dev.wgmma_issue_clk + (dev.wgmma_n16_clk if cfg.tile_n % 32 else 0.0)
+        per_wgmma = dev.wgmma_issue_clk + dev.wgmma_n16_clk * (2 if cfg.tile_n % 16 else 1 if cfg.tile_n % 32 else 0)
         core_clk += cfg.cta_tile_m // 64 * (TILE_K // 16) * per_wgmma
     t_core = core_clk / dev.clock_hz / dev.mma_efficiency * 1e6
 

@@ -34,7 +34,7 @@ WARM_START_KEYS = 3
 # consumer shape (static scheduler, no cluster), then every scheduler and
 # cluster of the MODEL_SHORTLIST best shapes (other knobs at sound values).
 MODEL_PICKS = 6
-MODEL_SHORTLIST = 16
+MODEL_SHORTLIST = 24
 # The warm start's wave-fit tile: the largest tile (no smaller than the
 # default 128x128) that fills whole waves within WAVE_FIT_SLACK of the best
 # filling tile. Smaller tiles fill waves more easily but lose per-FLOP
@@ -447,21 +447,23 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
 
 def swap_seeds(key: Key) -> list[GemmConfig]:
     """For a key of at most SWAP_SEED_MAX_M rows: single-tile swap_ab configs
-    of 64 and 128 weight rows by the narrowest activation tile that holds M,
-    at their deepest pipeline. The model prices them above split-K there,
-    which the H100 reversed (27B qkv at M = 1, one tuning run: 64x16 swap_ab
+    of 64 and 128 weight rows by the narrowest swap_ab activation tile that
+    holds M, at their deepest pipeline. The model prices them above split-K
+    there, which the H100 reversed (27B qkv at M = 1, one tuning run: 64x16 swap_ab
     0.0325 ms, cuBLAS 0.0317, the model's split-K picks 0.040-0.044), so
     they are measured whatever the model says."""
     p = key.problem
     knobs = space.knobs(key.arch)
     if True not in knobs["swap_ab"] or p.m > SWAP_SEED_MAX_M:
         return []
-    tile_n = min(t for t in knobs["tile_n"] if t >= p.m)
     out = []
     for tile_m in (64, 128):
-        cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=tile_n, swap_ab=True))
-        if cfg is not None and p.runs(cfg):
-            out.append(cfg)
+        for tile_n in sorted(t for t in knobs["tile_n"] if t >= p.m):
+            cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=tile_n, swap_ab=True))
+            if cfg is not None:
+                if p.runs(cfg):
+                    out.append(cfg)
+                break
     return out
 
 
@@ -476,7 +478,9 @@ def _wave_fit_config(key: Key) -> GemmConfig | None:
     fits = []
     for tile in _choices(key.arch)["tile"]:
         tile_m, tile_n = map(int, tile.split("x"))
-        if tile_m * tile_n < WAVE_FIT_MIN_AREA:
+        # An odd number of 8-row atoms costs more per wgmma than its fit
+        # gains in general (the model prices it; sampling still draws it).
+        if tile_m * tile_n < WAVE_FIT_MIN_AREA or tile_n % 16:
             continue
         cfg = _deepest(dict(arch=key.arch, scheduler="static_persistent", swizzle=4, tile_m=tile_m,
                             tile_n=tile_n, **_cta_pair(key.arch, tile_m)))

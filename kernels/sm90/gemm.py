@@ -624,6 +624,8 @@ class Sm90GemmKernel:
         stmatrix = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), matrices), self.c_dtype
         )
+        if matrices == 2 and self.c_dtype.width == 16:
+            r2s_atom = stmatrix
         e.r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
         thr_r2s = e.r2s.get_slice(mma_tidx)
         e.sC = sC
