@@ -453,17 +453,17 @@ def swap_seeds(key: Key) -> list[GemmConfig]:
     0.0325 ms, cuBLAS 0.0317, the model's split-K picks 0.040-0.044), so
     they are measured whatever the model says."""
     p = key.problem
-    knobs = space.knobs(key.arch)
-    if True not in knobs["swap_ab"] or p.m > SWAP_SEED_MAX_M:
+    if p.m > SWAP_SEED_MAX_M:
         return []
+    tiles = [tuple(map(int, t.split("x"))) for t in _choices(key.arch).get(_SWAP_TILE, ())]
     out = []
     for tile_m in (64, 128):
-        for tile_n in sorted(t for t in knobs["tile_n"] if t >= p.m):
-            cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=tile_n, swap_ab=True))
-            if cfg is not None:
-                if p.runs(cfg):
-                    out.append(cfg)
-                break
+        widths = [n for m, n in tiles if m == tile_m and n >= p.m]
+        if not widths:
+            continue
+        cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=min(widths), swap_ab=True))
+        if cfg is not None and p.runs(cfg):
+            out.append(cfg)
     return out
 
 
