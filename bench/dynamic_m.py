@@ -59,7 +59,7 @@ def random_ms(count: int, seed: int, exclude: set[int]) -> list[int]:
     return sorted(out)
 
 
-def _ms(text: str) -> list[int]:
+def m_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",")]
     if not values or min(values) < 1:
         raise ValueError(text)
@@ -101,8 +101,19 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
         with torch.cuda.graph(graph):
             call()
         graphs.append(graph)
-    orders = list(itertools.permutations(range(3)))
-    times: list[list[float]] = [[], [], []]
+    times = replay_rounds(graphs, rounds, flush)
+
+    def paired(other: list[float]) -> float:
+        return math.exp(trimmed_mean([math.log(c / o) for c, o in zip(times[0], other, strict=True)]))
+    return trimmed_mean(times[0]), trimmed_mean(times[1]), paired(times[1]), paired(times[2])
+
+
+def replay_rounds(graphs: list[torch.cuda.CUDAGraph], rounds: int, flush: torch.Tensor) -> list[list[float]]:
+    """ms of every replay of each graph, each after a write of `flush`, the
+    graphs taking turns in every order in turn (a place in the round weighs
+    on each graph alike)."""
+    orders = list(itertools.permutations(range(len(graphs))))
+    times: list[list[float]] = [[] for _ in graphs]
     for r in range(rounds):
         for i in orders[r % len(orders)]:
             flush.add_(1)
@@ -112,10 +123,7 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
             end.record()
             end.synchronize()
             times[i].append(start.elapsed_time(end))
-
-    def paired(other: list[float]) -> float:
-        return math.exp(trimmed_mean([math.log(c / o) for c, o in zip(times[0], other, strict=True)]))
-    return trimmed_mean(times[0]), trimmed_mean(times[1]), paired(times[1]), paired(times[2])
+    return times
 
 
 def compile_choices(db: str, fams) -> int:
@@ -204,7 +212,7 @@ def main() -> None:
     parser.add_argument("--only", default="*", help="Only families whose key name matches this glob.")
     parser.add_argument("--points", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--m", type=_ms, default=None, help="Comma-separated M to time instead of random ones.")
+    parser.add_argument("--m", type=m_list, default=None, help="Comma-separated M to time instead of random ones.")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()

@@ -65,7 +65,8 @@ def test_winner_and_scheduler_bests_come_from_one_interleaved_run(tmp_path):
 
 def test_the_best_config_is_tried_under_every_scheduler_and_neighbouring_cluster(tmp_path):
     backend = MeasuredBackend("sm90")
-    key = Key("sm90", backend.device_name, Problem(512, 5376, 4096))
+    # N = 6144: the top tile is a multiple of 32 wide, which stream-K takes.
+    key = Key("sm90", backend.device_name, Problem(512, 6144, 4096))
     store = Store(str(tmp_path / "t.db"))
     tune_key(key, backend, store, Budget(trials=6))
     tried = list(backend.measured)
@@ -129,13 +130,13 @@ def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_pat
 
 
 def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(tmp_path):
-    from tuner.search import _wave_fit_config
+    from tuner.search import _wave_fit_configs
 
     # 128x176 (down M = 512's wave-fit tile) on 1x1 clusters 40 % slower than
     # the model says, as its tiles straggled on an H100.
     backend = _Scaled(lambda c: (c.tile_m, c.tile_n, c.cluster_m, c.cluster_n) == (128, 176, 1, 1), 1.4)
     key, tried, ms, finalists = _tune_down_512(backend, tmp_path)
-    fit = _wave_fit_config(key)
+    fit = _wave_fit_configs(key)[0]
     assert (fit.tile_m, fit.tile_n) == (128, 176)
     ranked = sorted(tried[:8], key=ms.get)
     shapes = list(dict.fromkeys((c.tile_m, c.tile_n) for c in ranked))
@@ -144,6 +145,20 @@ def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(t
     around = [c for c in cluster_variants(fitted) if key.problem.runs(c)]
     assert around and set(around) <= set(tried)
     assert min(around, key=ms.get) in finalists
+
+
+def test_an_odd_eighth_width_that_cuts_n_exactly_joins_the_wave_fit():
+    from tuner.search import _wave_fit_configs
+
+    def fits(m, n, k):
+        return [(c.tile_m, c.tile_n) for c in _wave_fit_configs(Key("sm90", "dev", Problem(m, n, k)))]
+
+    # N = 5376 = 32 x 168: 4 x 32 tiles fill 128 of 132 SMs with no edge tile.
+    assert fits(512, 5376, 21504) == [(128, 176), (128, 168)]
+    # A tile that fits better only by being much smaller is the model's call.
+    assert fits(2048, 5376, 21504) == [(128, 224)]
+    assert fits(512, 6144, 4096) == [(128, 192)]
+    assert all(n % 16 == 0 for m in (128, 2048, 8192) for _, n in fits(m, 43008, 5376)[:1])
 
 
 def test_a_few_row_key_starts_from_swap_ab_seeds(tmp_path):

@@ -38,11 +38,12 @@ MODEL_SHORTLIST = 24
 # The warm start's wave-fit tile: the largest tile (no smaller than the
 # default 128x128) that fills whole waves within WAVE_FIT_SLACK of the best
 # filling tile. Smaller tiles fill waves more easily but lose per-FLOP
-# efficiency; finer trade-offs are the model's to weigh.
+# efficiency; finer trade-offs are the model's to weigh. A width of an odd
+# number of 8-row atoms that fills better still joins it (`_wave_fit_configs`).
 WAVE_FIT_MIN_AREA = 128 * 128
 WAVE_FIT_SLACK = 0.05
 # The search re-times the cluster neighbours of the best config of this many
-# tile shapes, and of the wave-fit tile (the best config's scheduler variants
+# tile shapes, and of the wave-fit tiles (the best config's scheduler variants
 # too): a tile whose 1x1 trial straggles may lead once multicast halves its
 # L2 traffic (H100, 27B at M = 512: 128x176 fills one wave, and its 1x1
 # trials took 0.224-0.229 ms on down where 2x1 took 0.164).
@@ -206,9 +207,8 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
     clusters: list[GemmConfig] = []
     if ranked:
-        fit = _wave_fit_config(key)
         leaders = _shape_leaders([GemmConfig.from_dict(t.config) for t in ranked], NEIGHBOUR_SHAPES,
-                                 (fit.tile_m, fit.tile_n, False) if fit else None)
+                                 tuple((fit.tile_m, fit.tile_n, False) for fit in _wave_fit_configs(key)))
         top = leaders[0]
         families = [(top, neighbour_variants(top))] + [(cfg, cluster_variants(cfg)) for cfg in leaders[1:]]
         variants = [v for _, around in families for v in around if key.problem.runs(v)]
@@ -280,14 +280,14 @@ def cluster_variants(cfg: GemmConfig) -> list[GemmConfig]:
     return out
 
 
-def _shape_leaders(ranked: list[GemmConfig], count: int, also: tuple[int, int, bool] | None = None) -> list[GemmConfig]:
+def _shape_leaders(ranked: list[GemmConfig], count: int, also: tuple[tuple[int, int, bool], ...] = ()) -> list[GemmConfig]:
     """The fastest config of each of the `count` fastest tile shapes (tile_m,
-    tile_n, swap_ab), then that of shape `also` if it is not among them, from
+    tile_n, swap_ab), then those of the shapes `also` not among them, from
     configs ranked fastest first."""
     leaders: dict[tuple[int, int, bool], GemmConfig] = {}
     for cfg in ranked:
         shape = (cfg.tile_m, cfg.tile_n, cfg.swap_ab)
-        if len(leaders) < count or shape == also:
+        if len(leaders) < count or shape in also:
             leaders.setdefault(shape, cfg)
     return list(leaders.values())
 
@@ -419,9 +419,7 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     tuned keys."""
     p = key.problem
     candidates = list(space.defaults(arch).values())
-    fit = _wave_fit_config(key)
-    if fit is not None:
-        candidates.append(fit)
+    candidates += _wave_fit_configs(key)
     candidates += swap_seeds(key)
     near = store.winners(
         limit=10_000, arch=key.arch, device=key.device, dtype_in=p.dtype_in,
@@ -467,10 +465,16 @@ def swap_seeds(key: Key) -> list[GemmConfig]:
     return out
 
 
-def _wave_fit_config(key: Key) -> GemmConfig | None:
-    """A static persistent config of the wave-fit tile of `key` (see
+def _wave_fit_configs(key: Key) -> list[GemmConfig]:
+    """Static persistent configs of the wave-fit tiles of `key` (see
     WAVE_FIT_SLACK): little SM time lost to a partial last wave or to edge
-    tiles. None if no such tile runs the key."""
+    tiles. First the fit among tile widths that are multiples of 16, then,
+    where a tile as large within WAVE_FIT_SLACK whose width is an odd number
+    of 8-row atoms fits better still, that one: an odd multiple of 8 costs
+    more per wgmma than its fit gains in
+    general (the model prices it), but where it cuts N exactly the H100 ran
+    it ahead (27B down, N = 5376 = 32 x 168, M = 512: 128x168 2x1 1.009x
+    cuBLAS, 128x176 0.979x), so it is measured, not left to sampling."""
     from tuner.model import DEVICES, wave_fit
 
     p = key.problem
@@ -478,19 +482,21 @@ def _wave_fit_config(key: Key) -> GemmConfig | None:
     fits = []
     for tile in _choices(key.arch)["tile"]:
         tile_m, tile_n = map(int, tile.split("x"))
-        # An odd number of 8-row atoms costs more per wgmma than its fit
-        # gains in general (the model prices it; sampling still draws it).
-        if tile_m * tile_n < WAVE_FIT_MIN_AREA or tile_n % 16:
+        if tile_m * tile_n < WAVE_FIT_MIN_AREA:
             continue
         cfg = _deepest(dict(arch=key.arch, scheduler="static_persistent", swizzle=4, tile_m=tile_m,
                             tile_n=tile_n, **_cta_pair(key.arch, tile_m)))
         if cfg is not None and p.runs(cfg):
             fits.append((wave_fit(p, tile_m, tile_n, sms), cfg))
-    if not fits:
-        return None
-    best = max(fit for fit, _ in fits)
-    close = [(cfg.tile_m * cfg.tile_n, fit, cfg) for fit, cfg in fits if fit >= best * (1 - WAVE_FIT_SLACK)]
-    return max(close, key=lambda c: c[:2])[2]
+    even = [(fit, cfg) for fit, cfg in fits if cfg.tile_n % 16 == 0]
+    if not even:
+        return []
+    best = max(fit for fit, _ in even)
+    close = [(cfg.tile_m * cfg.tile_n, fit, cfg) for fit, cfg in even if fit >= best * (1 - WAVE_FIT_SLACK)]
+    area, first_fit, first = max(close, key=lambda c: c[:2])
+    odd = [(fit, cfg.tile_m * cfg.tile_n, cfg) for fit, cfg in fits
+           if cfg.tile_n % 16 and fit > first_fit and cfg.tile_m * cfg.tile_n >= area * (1 - WAVE_FIT_SLACK)]
+    return [first] + ([max(odd, key=lambda c: c[:2])[2]] if odd else [])
 
 
 def _cta_pair(arch: str, tile_m: int) -> dict:
