@@ -61,15 +61,18 @@ SM100_EPI_SUBTILE_ELEMS = 4096
 # Tensor memory on sm100: 512 columns of 32-bit cells per SM (128 lanes).
 TMEM_COLUMNS = 512
 # sm90 registers. ptxas gives every thread of the kernel the launch share of
-# the SM's 64K registers (65536 / threads, in steps of 8, at most 255) and
-# allocates the consumers within it whatever setmaxnreg grants later: a
-# consumer thread's fp32 accumulators plus SM90_NON_ACC_REGS (addresses,
-# pipeline state, the WGMMA descriptors) must fit in that share, else ptxas
-# fails ("insufficient registers") or spills: 168 with two consumer
-# warpgroups holds 128 accumulators, 128 with three holds 96 (192x192) but
-# not 112 (192x224). setmaxnreg still moves registers from the producer
-# warpgroup to the consumers, per consumer warpgroups (producer, consumer),
-# within 128 * (producer + consumers * consumer) <= 65536.
+# the SM's 64K registers (65536 / threads, in steps of 8, at most 255);
+# setmaxnreg then moves registers from the producer warpgroup to the
+# consumers, per consumer warpgroups (producer, consumer), within
+# 128 * (producer + consumers * consumer) <= 65536. A consumer thread's fp32
+# accumulators plus SM90_NON_ACC_REGS (addresses, pipeline state, the WGMMA
+# descriptors) must fit in its setmaxnreg budget, and the accumulators of
+# one WGMMA (64 rows: tile_n / 2 a thread) plus those in the launch share,
+# else ptxas fails ("insufficient registers") or spills. Offline compiles
+# (ptxas of CUDA 13, nvidia-cutlass-dsl 4.8.1): two consumer warpgroups hold
+# 200 accumulators (pingpong 128x200, cooperative 256x192: no stack frame),
+# not 208 (1280 bytes of spills); three hold 96 (192x192) but not 112
+# (192x224: "insufficient registers (128)").
 SM90_REGISTERS = 65536
 SM90_NON_ACC_REGS = 32
 SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
@@ -333,6 +336,11 @@ def sm90_registers(cfg: GemmConfig) -> tuple[int, int]:
     return SM90_REG_BUDGETS[cfg.consumer_warpgroups]
 
 
+def sm90_accumulators(cfg: GemmConfig) -> int:
+    """fp32 accumulator registers per consumer thread of an sm90 config."""
+    return cfg.tile_m * cfg.tile_n // (128 * cfg.tile_warpgroups)
+
+
 def sm90_launch_registers(cfg: GemmConfig) -> int:
     """Registers per thread ptxas may allocate an sm90 kernel of `cfg` (its launch share)."""
     threads = 128 * (1 + cfg.consumer_warpgroups)
@@ -448,14 +456,20 @@ def validate(cfg: GemmConfig) -> None:
         # tile to overlap; its fixup is built for one tile per CTA at a time.
         if cfg.pingpong and cfg.reduces_partials:
             raise InvalidConfig("pingpong consumers do not split K (split-K, stream-K)")
-        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.tile_warpgroups)
-        share = sm90_launch_registers(cfg)
-        most = share - SM90_NON_ACC_REGS
+        acc_per_thread = sm90_accumulators(cfg)
+        most = sm90_registers(cfg)[1] - SM90_NON_ACC_REGS
         if acc_per_thread > most:
             raise InvalidConfig(
                 f"tile {cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator registers "
-                f"per consumer thread (max {most} of the {share} each of "
+                f"per consumer thread (max {most} of the {most + SM90_NON_ACC_REGS} each of "
                 f"{cfg.consumer_warpgroups} consumer warpgroups' threads gets)"
+            )
+        share = sm90_launch_registers(cfg)
+        if cfg.tile_n // 2 > share - SM90_NON_ACC_REGS:
+            raise InvalidConfig(
+                f"tile_n {cfg.tile_n} needs {cfg.tile_n // 2} accumulator registers per WGMMA, more than "
+                f"the {share - SM90_NON_ACC_REGS} the launch share of {share} leaves with "
+                f"{cfg.consumer_warpgroups} consumer warpgroups"
             )
     else:
         if cfg.cta_group == 1 and cfg.tile_m not in (64, 128):

@@ -103,6 +103,12 @@ OFFLINE = [
     _v(scheduler=SINGLE, tile_m=64, tile_n=8, stages=8, swap_ab=True),
     _v(scheduler=STATIC, tile_m=128, tile_n=8, stages=8, swap_ab=True, dtype_out="fp32"),
     _v(scheduler=SINGLE, tile_m=64, tile_n=8, stages=8, split_k=3, swap_ab=True),
+    # Up to 200 accumulators a consumer thread under setmaxnreg: pingpong
+    # 128-row tiles and cooperative 256-row ones wider than 136.
+    _v(scheduler=STATIC, consumer=PP, tile_m=128, tile_n=200, stages=4, swizzle=4),
+    _v("nn", scheduler=SINGLE, consumer=PP, tile_m=128, tile_n=168, stages=5, cluster_n=2, dtype_out="fp16"),
+    _v(scheduler=DYN, tile_m=256, tile_n=168, stages=3, cluster_m=2),
+    _v("nn", scheduler=SK, tile_m=256, tile_n=192, stages=2, swizzle=4, dtype_out="fp32"),
 ]
 
 
@@ -249,9 +255,22 @@ EIGHTH_CONFIGS = [
 EIGHTH_SHAPES = NEW_TILE_SHAPES + [(512, 5376, 21504)]
 
 
+# Tiles of up to 200 accumulators a consumer thread (setmaxnreg's budget):
+# pingpong 128x168 as cuBLAS runs 27B o and down at M = 512 (32 tiles
+# across N), 128x200, and cooperative 256-row tiles under every scheduler.
+REGISTER_CONFIGS = [
+    GemmConfig(scheduler=STATIC, consumer=PP, tile_n=168, stages=5, cluster_n=2, swizzle=4),
+    GemmConfig(scheduler=DYN, consumer=PP, tile_n=200, stages=4),
+    GemmConfig(scheduler=SINGLE, consumer=PP, tile_n=184, stages=4, cluster_m=2),
+    GemmConfig(scheduler=DYN, tile_m=256, tile_n=168, stages=3, cluster_m=2),
+    GemmConfig(scheduler=SK, tile_m=256, tile_n=192, stages=2, swizzle=4),
+    GemmConfig(scheduler=STATIC, tile_m=256, tile_n=160, stages=3, swizzle=4),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["tn", "nn"])
-@pytest.mark.parametrize("cfg", NEW_TILE_CONFIGS + EIGHTH_CONFIGS, ids=lambda c: c.name())
+@pytest.mark.parametrize("cfg", NEW_TILE_CONFIGS + EIGHTH_CONFIGS + REGISTER_CONFIGS, ids=lambda c: c.name())
 def test_new_tiles_correct(cfg, layout):
     eighths = cfg.tile_n % 16 != 0
     _check(cfg, layout, EIGHTH_SHAPES if eighths else NEW_TILE_SHAPES)

@@ -102,7 +102,7 @@ def _tune_down_512(backend, tmp_path):
     rounds = []
     backend.remeasure = lambda key, cfgs: rounds.append(cfgs) or ModelBackend.remeasure(backend, key, cfgs)
     key = Key("sm90", backend.device_name, Problem(512, 5376, 21504))
-    tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=8))
+    tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=12))
     tried = list(backend.measured)
     (finalists,) = rounds
     return key, tried, {c: backend.time_of(key, c) for c in tried}, finalists
@@ -113,7 +113,7 @@ def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_pat
     backend = _Scaled(lambda c: (c.cluster_m, c.cluster_n) == (2, 1), 0.9)
     key, tried, ms, finalists = _tune_down_512(backend, tmp_path)
     leaders = {}
-    for cfg in sorted(tried[:8], key=ms.get):
+    for cfg in sorted(tried[:12], key=ms.get):
         leaders.setdefault((cfg.tile_m, cfg.tile_n), cfg)
     leaders = list(leaders.values())[:NEIGHBOUR_SHAPES]
     assert len(leaders) == NEIGHBOUR_SHAPES
@@ -138,7 +138,7 @@ def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(t
     key, tried, ms, finalists = _tune_down_512(backend, tmp_path)
     fit = _wave_fit_configs(key)[0]
     assert (fit.tile_m, fit.tile_n) == (128, 176)
-    ranked = sorted(tried[:8], key=ms.get)
+    ranked = sorted(tried[:12], key=ms.get)
     shapes = list(dict.fromkeys((c.tile_m, c.tile_n) for c in ranked))
     assert (128, 176) in shapes[NEIGHBOUR_SHAPES:]  # no runner-up: only the wave fit brings it
     fitted = next(c for c in ranked if (c.tile_m, c.tile_n) == (128, 176))
@@ -147,17 +147,22 @@ def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(t
     assert min(around, key=ms.get) in finalists
 
 
-def test_an_odd_eighth_width_that_cuts_n_exactly_joins_the_wave_fit():
+def test_the_wave_fit_takes_exact_eighth_widths_and_pingpong_twins():
     from tuner.search import _wave_fit_configs
 
     def fits(m, n, k):
         return [(c.tile_m, c.tile_n) for c in _wave_fit_configs(Key("sm90", "dev", Problem(m, n, k)))]
 
-    # N = 5376 = 32 x 168: 4 x 32 tiles fill 128 of 132 SMs with no edge tile.
-    assert fits(512, 5376, 21504) == [(128, 176), (128, 168)]
+    # N = 5376 = 32 x 168: 4 x 32 tiles fill 128 of 132 SMs with no edge
+    # tile; each fit tile comes with pingpong consumers too.
+    down = _wave_fit_configs(Key("sm90", "dev", Problem(512, 5376, 21504)))
+    assert [(c.tile_m, c.tile_n, c.consumer) for c in down] == [
+        (128, 176, "cooperative"), (128, 168, "cooperative"), (128, 176, "pingpong"), (128, 168, "pingpong")]
+    # Tiles past 128 accumulators a thread (256 x 168) hold 3 stages: not a fit.
+    assert fits(1024, 5376, 21504)[:2] == [(128, 176), (128, 168)]
     # A tile that fits better only by being much smaller is the model's call.
     assert fits(2048, 5376, 21504) == [(128, 224)]
-    assert fits(512, 6144, 4096) == [(128, 192)]
+    assert fits(512, 6144, 4096) == [(128, 192), (128, 192)]
     assert all(n % 16 == 0 for m in (128, 2048, 8192) for _, n in fits(m, 43008, 5376)[:1])
 
 

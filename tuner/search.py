@@ -41,6 +41,12 @@ MODEL_SHORTLIST = 24
 # efficiency; finer trade-offs are the model's to weigh. A width of an odd
 # number of 8-row atoms that fills better still joins it (`_wave_fit_configs`).
 WAVE_FIT_MIN_AREA = 128 * 128
+# Cooperative tiles of more fp32 accumulators a consumer thread than this
+# hold 3 stages at most and ran behind on the H100 (27B, M = 512 to 8192:
+# 256x168 and 256x176 0.49-1.03x cuBLAS, 128-row pingpong tiles of those
+# widths 0.87-1.07x), so the wave fit keeps to the others; pingpong twins
+# (one tile a warpgroup) join it.
+WAVE_FIT_MAX_ACC = 128
 WAVE_FIT_SLACK = 0.05
 # The search re-times the cluster neighbours of the best config of this many
 # tile shapes, and of the wave-fit tiles (the best config's scheduler variants
@@ -468,13 +474,16 @@ def swap_seeds(key: Key) -> list[GemmConfig]:
 def _wave_fit_configs(key: Key) -> list[GemmConfig]:
     """Static persistent configs of the wave-fit tiles of `key` (see
     WAVE_FIT_SLACK): little SM time lost to a partial last wave or to edge
-    tiles. First the fit among tile widths that are multiples of 16, then,
-    where a tile as large within WAVE_FIT_SLACK whose width is an odd number
-    of 8-row atoms fits better still, that one: an odd multiple of 8 costs
-    more per wgmma than its fit gains in
-    general (the model prices it), but where it cuts N exactly the H100 ran
-    it ahead (27B down, N = 5376 = 32 x 168, M = 512: 128x168 2x1 1.009x
-    cuBLAS, 128x176 0.979x), so it is measured, not left to sampling."""
+    tiles.
+
+    First the fit among tile widths that are multiples of 16; then, where a
+    tile as large within WAVE_FIT_SLACK whose width is an odd number of
+    8-row atoms fits better still, that one: an odd multiple of 8 costs more
+    per wgmma than its fit gains in general (the model prices it), but where
+    it cuts N exactly the H100 ran it ahead (27B down, N = 5376 = 32 x 168,
+    M = 512: 128x168 2x1 1.009x cuBLAS, 128x176 0.979x). Each comes with
+    pingpong consumers too where they hold its accumulators.
+    """
     from tuner.model import DEVICES, wave_fit
 
     p = key.problem
@@ -486,8 +495,9 @@ def _wave_fit_configs(key: Key) -> list[GemmConfig]:
             continue
         cfg = _deepest(dict(arch=key.arch, scheduler="static_persistent", swizzle=4, tile_m=tile_m,
                             tile_n=tile_n, **_cta_pair(key.arch, tile_m)))
-        if cfg is not None and p.runs(cfg):
-            fits.append((wave_fit(p, tile_m, tile_n, sms), cfg))
+        if cfg is None or not p.runs(cfg) or key.arch == "sm90" and space.sm90_accumulators(cfg) > WAVE_FIT_MAX_ACC:
+            continue
+        fits.append((wave_fit(p, tile_m, tile_n, sms), cfg))
     even = [(fit, cfg) for fit, cfg in fits if cfg.tile_n % 16 == 0]
     if not even:
         return []
@@ -496,7 +506,9 @@ def _wave_fit_configs(key: Key) -> list[GemmConfig]:
     area, first_fit, first = max(close, key=lambda c: c[:2])
     odd = [(fit, cfg.tile_m * cfg.tile_n, cfg) for fit, cfg in fits
            if cfg.tile_n % 16 and fit > first_fit and cfg.tile_m * cfg.tile_n >= area * (1 - WAVE_FIT_SLACK)]
-    return [first] + ([max(odd, key=lambda c: c[:2])[2]] if odd else [])
+    tiles = [first] + ([max(odd, key=lambda c: c[:2])[2]] if odd else [])
+    twins = [_deepest(cfg.to_dict() | {"consumer": "pingpong"}) for cfg in tiles]
+    return tiles + [t for t in twins if t is not None and p.runs(t)]
 
 
 def _cta_pair(arch: str, tile_m: int) -> dict:
