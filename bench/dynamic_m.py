@@ -60,9 +60,12 @@ def random_ms(count: int, seed: int, exclude: set[int]) -> list[int]:
 
 
 def m_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",")]
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
     if not values or min(values) < 1:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
 
 

@@ -285,4 +285,4 @@ def test_dynamic_m_draws_the_same_untuned_m_every_run():
 def test_dynamic_m_names_a_bad_m_list(m):
     proc = subprocess.run([sys.executable, "-m", "bench.dynamic_m", "--db", "x.db", "--shapes", "x.txt", "--m", m],
                           capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 2 and "argument --m: invalid _ms value" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "argument --m: expected comma-separated positive integers" in proc.stderr, proc.stderr
