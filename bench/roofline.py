@@ -8,8 +8,9 @@ of the pool can beat cuBLAS there by more than cuBLAS leaves between itself
 and a kernel that only streams the weight. For every family (N, K) of the
 shape files this times, as `bench.dynamic_m` does (a CUDA graph of one call,
 replayed after a write of twice the L2 size, the graphs taking turns), a
-read-only Triton kernel (Triton ships with torch's CUDA builds) that sums each row of the N x K bf16 weight (the fastest of
-a few block shapes) and `torch.mm(x, W.t())` at each `--m`. Writes
+read-only Triton kernel (Triton ships with torch's CUDA builds) that sums
+each row of the N x K bf16 weight (the fastest of a few block shapes) and
+`torch.mm(x, W.t())` at each `--m`. Writes
 `<out>/<device-slug>-roofline.json`: per family the read's time and
 bandwidth and, per M, cuBLAS's time, bandwidth and read / cuBLAS time: the
 fraction of cuBLAS's time a perfect few-row kernel would still need.
