@@ -94,21 +94,31 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
     runs cuBLAS is such a second capture.
     """
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    graphs = []
     def cublas():
         return torch.mm(x, w.t(), out=out)
-    for call in (cublas, lambda: dispatch.gemm(x, w.t(), out), cublas):
-        call()  # gemm decides and builds before capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        graphs.append(graph)
+    graphs = [capture(call) for call in (cublas, lambda: dispatch.gemm(x, w.t(), out), cublas)]
     times = replay_rounds(graphs, rounds, flush)
 
     def paired(other: list[float]) -> float:
         return math.exp(trimmed_mean([math.log(c / o) for c, o in zip(times[0], other, strict=True)]))
     return trimmed_mean(times[0]), trimmed_mean(times[1]), paired(times[1]), paired(times[2])
+
+
+def flush_buffer(dev: torch.device) -> torch.Tensor:
+    """A buffer of twice the L2 size: writing it leaves no operand in L2."""
+    return torch.empty(2 * torch.cuda.get_device_properties(dev).L2_cache_size // 4, dtype=torch.float32,
+                       device=dev)
+
+
+def capture(call) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `call`, run once first (a gemm decides and builds,
+    Triton compiles, before capture)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
 
 
 def replay_rounds(graphs: list[torch.cuda.CUDAGraph], rounds: int, flush: torch.Tensor) -> list[list[float]]:
@@ -170,8 +180,7 @@ def run(args: argparse.Namespace) -> dict:
     dispatch.configure(args.db)
     warnings.simplefilter("ignore", dispatch.FallbackWarning)
     dev = torch.device("cuda", 0)
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    flush = torch.empty(2 * l2 // 4, dtype=torch.float32, device=dev)
+    flush = flush_buffer(dev)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     record = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "seed": args.seed,
               "rounds": args.rounds, "families": []}

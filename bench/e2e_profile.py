@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.dynamic_m import flush_buffer
 from bench.e2e import _pairs, _rel_err, _timed
 from bench.kernels_sm90 import device_slug
 from kernels.compile import get_kernel
@@ -94,7 +95,7 @@ def _alone(m: int, n: int, k: int, runner, rounds: int) -> dict:
     a_src = a.clone()
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4, device="cuda")
+    flush = flush_buffer(torch.device("cuda", 0))
     paths = {"kernel": lambda: runner(a, w, out), "cublas": lambda: torch.mm(a, w.t(), out=out)}
     got = {}
     for state in ("cold", "a_written", "hot"):

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.dynamic_m import families, m_list, replay_rounds
+from bench.dynamic_m import capture, families, flush_buffer, m_list, replay_rounds
 from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner.measure import trimmed_mean
@@ -50,11 +50,7 @@ _GRAPHS: list[torch.cuda.CUDAGraph] = []
 
 
 def _capture(call) -> torch.cuda.CUDAGraph:
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture(call)
     _GRAPHS.append(graph)
     return graph
 
@@ -73,8 +69,7 @@ def _reads(w: torch.Tensor, sums: torch.Tensor) -> dict[str, torch.cuda.CUDAGrap
 
 def run(args: argparse.Namespace) -> dict:
     dev = torch.device("cuda", 0)
-    flush = torch.empty(2 * torch.cuda.get_device_properties(dev).L2_cache_size // 4, dtype=torch.float32,
-                        device=dev)
+    flush = flush_buffer(dev)
     record = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rounds": args.rounds,
               "families": []}
     for (n, k), (name, _) in families(args.shapes, args.only).items():

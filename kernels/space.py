@@ -457,11 +457,12 @@ def validate(cfg: GemmConfig) -> None:
         if cfg.pingpong and cfg.reduces_partials:
             raise InvalidConfig("pingpong consumers do not split K (split-K, stream-K)")
         acc_per_thread = sm90_accumulators(cfg)
-        most = sm90_registers(cfg)[1] - SM90_NON_ACC_REGS
+        budget = sm90_registers(cfg)[1]
+        most = budget - SM90_NON_ACC_REGS
         if acc_per_thread > most:
             raise InvalidConfig(
                 f"tile {cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator registers "
-                f"per consumer thread (max {most} of the {most + SM90_NON_ACC_REGS} each of "
+                f"per consumer thread (max {most} of the {budget} each of "
                 f"{cfg.consumer_warpgroups} consumer warpgroups' threads gets)"
             )
         share = sm90_launch_registers(cfg)
