@@ -1,11 +1,12 @@
 """Time a fixed set of sm90 pool variants against cuBLAS on the Gemma 3 27B keys.
 
-    python -m bench.sm90_variants [--m 128,512,2048,8192] [--configs NAME,...] [--out FILE]
+    python -m bench.sm90_variants [--m 128,512,2048,8192] [--configs NAME,...] [--cold] [--out FILE]
 
 No search: every key times the same hand-picked variants (whole-K tiles,
 in-kernel split-K and the stream-K scheduler on the same tiles), interleaved with cuBLAS through `GpuBackend.remeasure`
 (CUDA graphs over L2-cold rotated operands, medians, correctness checked on
-first use). Prints one markdown row per key: cuBLAS, the best whole-K
+first use; with --cold, as the M maps are validated: each call alone after
+an L2 flush). Prints one markdown row per key: cuBLAS, the best whole-K
 variant, the best split-K variant, the best stream-K variant and the best of all, with the geometric
 means of cuBLAS / pool over the keys, and writes every timing as JSON.
 """
@@ -57,7 +58,7 @@ def _runs(cfg: GemmConfig, p: Problem) -> bool:
     return True
 
 
-def run(ms: list[int], out: Path, variants: tuple[GemmConfig, ...] = VARIANTS) -> list[dict]:
+def run(ms: list[int], out: Path, variants: tuple[GemmConfig, ...] = VARIANTS, cold: bool = False) -> list[dict]:
     from kernels.compile import compile_many
     from tuner.gpu import GpuBackend
 
@@ -68,7 +69,7 @@ def run(ms: list[int], out: Path, variants: tuple[GemmConfig, ...] = VARIANTS) -
             for name, (n, k) in GEMMA3_27B.items():
                 p = Problem(m, n, k)
                 cfgs = [c for c in variants if _runs(c, p)]
-                got = backend.remeasure(Key(ARCH, backend.device_name, p), [None, *cfgs])
+                got = backend.remeasure(Key(ARCH, backend.device_name, p), [None, *cfgs], cold=cold)
                 times = {c.name(): g.ms for c, g in zip(cfgs, got[1:]) if g.ok}
                 errors = {c.name(): g.error for c, g in zip(cfgs, got[1:]) if not g.ok}
                 rec = {"name": name, "M": m, "N": n, "K": k, "cublas_ms": got[0].ms, "pool_ms": times,
@@ -107,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--m", default=",".join(map(str, GEMMA3_M)), help="Comma-separated M values.")
     parser.add_argument("--configs", default="",
                         help="Comma-separated config names to time instead of the built-in variants.")
+    parser.add_argument("--cold", action="store_true", help="Time each call alone after an L2 flush.")
     parser.add_argument("--out", default="sm90-variants.json")
     return parser.parse_args(argv)
 
@@ -114,4 +116,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse_args()
     chosen = tuple(GemmConfig.from_name(n) for n in args.configs.split(",") if n) or VARIANTS
-    run([int(m) for m in args.m.split(",")], Path(args.out), chosen)
+    run([int(m) for m in args.m.split(",")], Path(args.out), chosen, cold=args.cold)

@@ -22,6 +22,10 @@ RASTERS = ("m", "n")
 # tile, in turns, so that one's epilogue runs under the other's mainloop
 # (CUTLASS KernelTmaWarpSpecializedPingpong).
 CONSUMERS = ("cooperative", "pingpong")
+# L2 eviction priority of the sm90 TMA loads (`GemmConfig.l2_hint`).
+L2_HINTS = ("normal", "b_first")
+_L2_TAGS = {"b_first": "bf"}
+_L2_NAMES = {tag: hint for hint, tag in _L2_TAGS.items()}
 
 # Bytes of one element, for the dtypes the pool accepts in and out.
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -177,6 +181,7 @@ class GemmConfig:
     acc_stages: int = 1
     consumer: str = "cooperative"
     swap_ab: bool = False
+    l2_hint: str = "normal"
 
     def __post_init__(self) -> None:
         validate(self)
@@ -258,6 +263,8 @@ class GemmConfig:
             parts.append("pp")
         if self.swap_ab:
             parts.append("ab")
+        if self.l2_hint != "normal":
+            parts.append("L" + _L2_TAGS[self.l2_hint])
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -290,6 +297,8 @@ class GemmConfig:
                     fields_["consumer"] = "pingpong"
                 elif part == "ab":
                     fields_["swap_ab"] = True
+                elif part[0] == "L" and part[1:] in _L2_NAMES:
+                    fields_["l2_hint"] = _L2_NAMES[part[1:]]
                 elif part[0] == "d":
                     fields_["sched_depth"] = int(part[1:])
                 elif part[0] == "k":
@@ -402,6 +411,11 @@ def validate(cfg: GemmConfig) -> None:
         value = getattr(cfg, name)
         if value not in choices:
             raise InvalidConfig(f"{name}={value!r} is not one of {choices} on {cfg.arch}")
+
+    if cfg.l2_hint not in L2_HINTS:
+        raise InvalidConfig(f"l2_hint={cfg.l2_hint!r} is not one of {L2_HINTS}")
+    if cfg.l2_hint != "normal" and cfg.arch != "sm90":
+        raise InvalidConfig(f"l2_hint applies to sm90 TMA loads only, not {cfg.arch}")
 
     # Knobs that do not apply must sit at their neutral value, so that one
     # kernel has exactly one config (no duplicates for the search to time).

@@ -109,6 +109,11 @@ OFFLINE = [
     _v("nn", scheduler=SINGLE, consumer=PP, tile_m=128, tile_n=168, stages=5, cluster_n=2, dtype_out="fp16"),
     _v(scheduler=DYN, tile_m=256, tile_n=168, stages=3, cluster_m=2),
     _v("nn", scheduler=SK, tile_m=256, tile_n=192, stages=2, swizzle=4, dtype_out="fp32"),
+    # B's loads evict-first in L2: plain, multicast, pingpong, stream-K and
+    # swap_ab (where B is the kernel's A).
+    _v(scheduler=STATIC, tile_n=176, stages=5, cluster_m=2, swizzle=4, consumer=PP, l2_hint="b_first"),
+    _v("nn", scheduler=SK, tile_n=256, stages=4, cluster_m=2, l2_hint="b_first"),
+    _v(scheduler=SINGLE, tile_m=128, tile_n=16, stages=8, swap_ab=True, l2_hint="b_first"),
 ]
 
 
@@ -159,6 +164,27 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     assert k.stack_bytes == 0, "register spills"
     # The space's budget covers what the kernel allocates.
     assert k.smem_bytes <= v.cfg.smem_bytes()
+    # A hinted load names the evict-first policy (CUTLASS's EVICT_FIRST) for
+    # the weight only; the others keep the default (0).
+    policies = _load_policies(k.ptx, v.cfg.tile_m * space.TILE_K * space.DTYPE_BYTES[v.dtype_in])
+    weight, other = ("a", "b") if v.cfg.swap_ab else ("b", "a")
+    assert policies[other] == {0}
+    assert policies[weight] == ({0x12F0000000000000} if v.cfg.l2_hint == "b_first" else {0})
+
+
+def _load_policies(ptx: str, a_box_bytes: int) -> dict[str, set[int]]:
+    """The L2 cache policies of the kernel's A and B TMA loads, told apart by
+    their smem offsets: A's ring comes first, one box a stage, B's (one box
+    or several) after it."""
+    movs = dict(re.findall(r"mov\.b64 \t(%rd\d+), (-?\d+);", ptx))
+    loads = re.findall(
+        r"cp\.async\.bulk\.tensor\.\dd\.shared::(?:cta|cluster)\.global\.[^\n]*?\[%r\d+(?:\+(\d+))?\][^\n]*?(%rd\d+);", ptx
+    )
+    first = min(int(offset or 0) for offset, _ in loads)
+    out: dict[str, set[int]] = {"a": set(), "b": set()}
+    for offset, reg in loads:
+        out["a" if int(offset or 0) < first + a_box_bytes else "b"].add(int(movs[reg]))
+    return out
 
 
 # ---------------------------------------------------------------- GPU
@@ -266,11 +292,17 @@ REGISTER_CONFIGS = [
     GemmConfig(scheduler=SK, tile_m=256, tile_n=192, stages=2, swizzle=4),
     GemmConfig(scheduler=STATIC, tile_m=256, tile_n=160, stages=3, swizzle=4),
 ]
+# B's loads evict-first in L2 (`GemmConfig.l2_hint`), swap_ab's too.
+L2_HINT_CONFIGS = [
+    GemmConfig(scheduler=STATIC, consumer=PP, tile_n=176, stages=5, cluster_m=2, swizzle=4, l2_hint="b_first"),
+    GemmConfig(scheduler=SK, tile_n=256, stages=4, cluster_m=2, l2_hint="b_first"),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["tn", "nn"])
-@pytest.mark.parametrize("cfg", NEW_TILE_CONFIGS + EIGHTH_CONFIGS + REGISTER_CONFIGS, ids=lambda c: c.name())
+@pytest.mark.parametrize("cfg", NEW_TILE_CONFIGS + EIGHTH_CONFIGS + REGISTER_CONFIGS + L2_HINT_CONFIGS,
+                         ids=lambda c: c.name())
 def test_new_tiles_correct(cfg, layout):
     eighths = cfg.tile_n % 16 != 0
     _check(cfg, layout, EIGHTH_SHAPES if eighths else NEW_TILE_SHAPES)
@@ -317,6 +349,7 @@ SWAP_AB_CONFIGS = [
     GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=32, stages=8, split_k=3, swap_ab=True),
     GemmConfig(scheduler=STATIC, tile_m=128, tile_n=64, stages=8, split_k=2, cluster_m=2, swap_ab=True),
     GemmConfig(scheduler=DYN, tile_m=64, tile_n=32, stages=8, split_k=4, swap_ab=True),
+    GemmConfig(scheduler=STATIC, tile_m=128, tile_n=16, stages=8, swap_ab=True, l2_hint="b_first"),
     GemmConfig(scheduler=SINGLE, tile_m=128, tile_n=16, stages=8, split_k=3, swap_ab=True),
     GemmConfig(scheduler=STATIC, tile_m=128, tile_n=48, stages=8, split_k=2, swap_ab=True),
     # One 8-row atom of activation rows, K whole or split.

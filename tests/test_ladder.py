@@ -20,7 +20,7 @@ from tuner.key import Key, Problem
 from tuner.ladder import build_map, probes, rungs, tune_family
 from tuner.lookup import BASELINE, EXACT, NEAREST, RANGE, lookup, speedup_at
 from tuner.model import ModelBackend
-from tuner.search import Budget, scheduler_variant
+from tuner.search import Budget, hint_variant, scheduler_variant
 from kernels.space import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,9 +197,10 @@ def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
     assert any(r["config"] is not None for r in ranges)
 
 
-def test_validation_also_times_the_winners_under_stream_k():
+def test_validation_also_times_the_winners_under_stream_k_and_the_other_l2_hint():
     """Between rungs a winner's tiles leave a partial wave its rungs did not
-    have: every point times each neighbouring winner under stream-K too."""
+    have, and the L2 hint's worth changes with M: every point times each
+    neighbouring winner under stream-K and under the other hint too."""
     from tuner.ladder import _measure_points
 
     class Recording(ModelBackend):
@@ -220,8 +221,8 @@ def test_validation_also_times_the_winners_under_stream_k():
     outcomes = {m: SimpleNamespace(winner=SimpleNamespace(config=c.to_dict())) for m, c in rung_winners.items()}
     points = _measure_points(template, outcomes, backend)
     winners = set(rung_winners.values())
-    variants = {scheduler_variant(c, "stream_k") for c in winners}
-    assert None not in variants and not variants & winners
+    variants = {scheduler_variant(c, "stream_k") for c in winners} | {hint_variant(c) for c in winners}
+    assert None not in variants and not variants & winners and len(variants) == 4
     assert [m for m, _, _ in points] == [4096, *probes(4096, 8192), 8192]
     for m, _, named in points:
         timed = set(named.values())

@@ -118,6 +118,8 @@ def test_accepted(fields):
         (dict(consumer="pingpong", split_k=2, tile_m=64), "do not split K"),
         (dict(consumer="cooperativ"), "consumer='cooperativ'"),
         (dict(arch="sm100", consumer="pingpong"), "consumer='pingpong'"),
+        (dict(l2_hint="a_first"), "l2_hint='a_first'"),
+        (dict(arch="sm100", l2_hint="b_first"), "sm90 TMA loads only"),
     ],
 )
 def test_rejected(fields, reason):
@@ -226,6 +228,11 @@ def test_round_trip_and_unknown_fields():
     assert pp.name() == "sm90-dynamic_persistent-t128x128-c1x1-s4-w1m-d2-pp"
     assert GemmConfig.from_name(pp.name()) == pp and GemmConfig.from_name(cfg.name()) == cfg
     assert GemmConfig.from_dict(pp.to_dict()) == pp
+    # Configs stored before the L2 hint existed load as "normal"; hinted names end in -Lbf.
+    assert GemmConfig.from_dict({k: v for k, v in pp.to_dict().items() if k != "l2_hint"}) == pp
+    hinted = GemmConfig(tile_n=176, stages=5, l2_hint="b_first")
+    assert hinted.name() == "sm90-static_persistent-t128x176-c1x1-s5-w1m-Lbf"
+    assert GemmConfig.from_name(hinted.name()) == hinted
     with pytest.raises(InvalidConfig, match="unknown config fields"):
         GemmConfig.from_dict({**cfg.to_dict(), "bogus": 1})
 

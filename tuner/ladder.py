@@ -11,10 +11,11 @@ winning tile fits its own M's waves, not the M between.
 
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
 each pair of rungs (geometrically spaced), cuBLAS and the winners of the
-neighbouring rungs (each also under the stream-K scheduler) are re-measured
-interleaved, each call alone after an L2 flush (the latency a model's
-forward sees, not back-to-back throughput); a range a kernel takes is
-measured again at the first M of every tile row inside it (`_refine`).
+neighbouring rungs (each also under the stream-K scheduler and under the
+other L2 hint) are re-measured interleaved, each call alone after an L2
+flush (the latency a model's forward sees, not back-to-back throughput); a
+range a kernel takes is measured again at the first M of every tile row
+inside it (`_refine`).
 From those measurements `build_map` makes the family's M map:
 
 - at a measured M, the fastest candidate, a kernel only if it beats cuBLAS
@@ -40,7 +41,9 @@ from kernels.space import GemmConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
 from tuner.measure import Backend
-from tuner.search import Budget, Outcome, compile_ahead, model_picks, scheduler_variant, swap_seeds, tune_key
+from tuner.search import (
+    Budget, Outcome, compile_ahead, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
+)
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
 PROBES_PER_OCTAVE = 3
@@ -279,20 +282,22 @@ def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backen
     first in each dict. Every point also times those winners under the
     stream-K scheduler: between rungs their tiles leave a partial last wave
     that their own rungs did not, and stream-K spreads that wave over every
-    SM; at the rungs too, so that a gap next to a rung can be its."""
+    SM; at the rungs too, so that a gap next to a rung can be its. And under
+    the other L2 hint (`hint_variant`), whose worth changes with M."""
     ladder_ms = sorted(outcomes)
     winners = [GemmConfig.from_dict(outcomes[m].winner.config) if outcomes[m].winner.config else None
                for m in ladder_ms]
 
-    def with_stream_k(cfgs: list[GemmConfig | None]) -> list[GemmConfig]:
+    def with_variants(cfgs: list[GemmConfig | None]) -> list[GemmConfig]:
         near = [c for c in cfgs if c]
-        return near + [v for c in near if (v := scheduler_variant(c, "stream_k")) and v not in near]
+        extra = [v for c in near for v in (scheduler_variant(c, "stream_k"), hint_variant(c)) if v]
+        return near + [v for v in dict.fromkeys(extra) if v not in near]
 
     plan: list[tuple[int, list[GemmConfig]]] = []
     for i, m in enumerate(ladder_ms):
-        plan.append((m, with_stream_k(winners[max(0, i - 1): i + 2])))
+        plan.append((m, with_variants(winners[max(0, i - 1): i + 2])))
         if i + 1 < len(ladder_ms):
-            plan += [(p, with_stream_k(winners[i: i + 2])) for p in probes(m, ladder_ms[i + 1])]
+            plan += [(p, with_variants(winners[i: i + 2])) for p in probes(m, ladder_ms[i + 1])]
     compile_ahead(backend, list(dict.fromkeys(c for _, cfgs in plan for c in cfgs)))
     return [_measure(template, m, cfgs, backend) for m, cfgs in plan]
 

@@ -66,6 +66,8 @@ _EPILOGUE_BARRIER_ID = 1
 # Pingpong turns: (mainloop, epilogue) sections of each of two warpgroups.
 _TURN_SECTIONS = 2
 _TURN_GROUPS = 2
+# A TMA load's L2 cache policy for evict-first (CUTLASS's CacheHintSm90::EVICT_FIRST).
+_L2_EVICT_FIRST = 0x12F0000000000000
 
 
 class Sm90GemmKernel:
@@ -106,6 +108,7 @@ class Sm90GemmKernel:
         self.ring_consumer_warps = 1 + self.mma_groups * _WARPS_PER_GROUP
         self.ring_words = ClaimRing.storage_words(self.sched)
         self.epi_tile = (cfg.tile_m, epi_subtile_n(cfg))
+        self.a_policy, self.b_policy = _load_policies(cfg)
 
     @staticmethod
     def can_implement(cfg: GemmConfig, layout: str) -> None:
@@ -567,12 +570,18 @@ class Sm90GemmKernel:
         for kt in range(k_start, k_start + k_tiles):
             load_pipe.producer_acquire(state)
             bar = load_pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask,
+                      **self._hint(self.a_policy))
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask,
+                      **self._hint(self.b_policy))
             load_pipe.producer_commit(state)
             state.advance()
         sched.request_next(False)
         return state
+
+    @staticmethod
+    def _hint(policy: int | None) -> dict:
+        return {} if policy is None else {"cache_policy": Int64(policy)}
 
     @cute.jit
     def _mma_tile(self, tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release):
@@ -679,6 +688,14 @@ class Sm90GemmKernel:
             e.sub_acc[i] = e.tRS_acc[v + e.chunk_vals * chunk + e.block_vals * block]
         e.sub_out.store(e.sub_acc.load().to(self.c_dtype))
         cute.copy(e.r2s, e.sub_out, e.tRS_sC[(None, None, None, buf)])
+
+
+def _load_policies(cfg: GemmConfig) -> tuple[int | None, int | None]:
+    """L2 policies of the kernel's A and B loads (None: the default) from
+    `cfg.l2_hint`, which names the caller's operands: with swap_ab the
+    caller's b, the weight, is the kernel's A."""
+    weight = _L2_EVICT_FIRST if cfg.l2_hint == "b_first" else None
+    return (weight, None) if cfg.swap_ab else (None, weight)
 
 
 class _Epilogue:
