@@ -243,11 +243,9 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     finalists += [c for c in clusters if c not in finalists]
     # The L2 hint shows only in the cold protocol: the fastest kernel runs
     # the round under both hints.
-    kernels = sorted((c for c in finalists if c), key=lambda c: measured[c.name()].ms)
-    if kernels and (flip := hint_variant(kernels[0])) and flip not in finalists:
-        compile_ahead(backend, [flip] if flip.name() not in measured else [])
-        if measure(flip).ok:
-            finalists.append(flip)
+    fastest = min((c for c in finalists if c), key=lambda c: measured[c.name()].ms, default=None)
+    if fastest and (flip := hint_variant(fastest)) and flip not in finalists and measure(flip).ok:
+        finalists.append(flip)
     again = backend.remeasure(key, finalists, cold=True)
     scored = {
         (cfg.name() if cfg else BASELINE): m.ms
