@@ -230,9 +230,9 @@ def test_validation_also_times_the_winners_under_stream_k_and_the_other_l2_hint(
         assert backend.at[m][0] is None  # cuBLAS, in the same interleaved run
 
 
-def test_gaps_next_to_a_winning_rung_get_rungs_at_their_probes(tmp_path):
-    """A winner's tile fits its own M: the probes of a gap beside a rung
-    that beat cuBLAS are tuned as rungs too; gaps between cuBLAS rungs are not."""
+def test_gaps_next_to_a_winning_rung_get_a_rung_at_their_midpoint(tmp_path):
+    """A winner's tile fits its own M: a gap beside a rung that beat cuBLAS
+    gets a rung at its geometric midpoint; gaps between cuBLAS rungs do not."""
     model = ModelBackend("sm90")
     keys = [Key("sm90", model.device_name, Problem(m, 5376, 21504)) for m in (128, 512)]
     out = tune_family(keys, model, Store(str(tmp_path / "t.db")), Budget(trials=8), name="down")
@@ -240,8 +240,9 @@ def test_gaps_next_to_a_winning_rung_get_rungs_at_their_probes(tmp_path):
     won = {m for m in ladder if out.rungs[m].winner.config and out.rungs[m].winner.speedup >= 1.01}
     assert won and set(ladder) - won  # the model's down family has both kinds of rung
     filled = set(out.rungs) - set(ladder)
-    want = {p for lo, hi in zip(ladder, ladder[1:]) if {lo, hi} & won for p in probes(lo, hi)}
-    assert filled == want and filled
+    want = {round(math.sqrt(lo * hi)) for lo, hi in zip(ladder, ladder[1:]) if {lo, hi} & won}
+    assert filled == want - set(ladder) and filled
+    assert set(out.seconds) == {"listed", "ladder", "fill", "map"} and out.tuned == len(out.rungs)
     # Validation runs over the denser ladder: every rung is a measured point.
     points = {p["m"] for r in out.ranges for p in r["evidence"]}
     assert set(out.rungs) <= points

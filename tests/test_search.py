@@ -89,6 +89,23 @@ def test_the_best_config_is_tried_under_every_scheduler_and_neighbouring_cluster
     assert all(c.split_k == 1 and c.consumer == "cooperative" for c in sk)
 
 
+def test_without_variants_a_key_measures_its_seeds_and_one_hint_flip(tmp_path):
+    """A fill rung's seeds are explored winners: with `variants=False` the
+    search measures them, the fastest under the other hint, and nothing else."""
+    backend = MeasuredBackend("sm90")
+    key = Key("sm90", backend.device_name, Problem(724, 5376, 21504))
+    seeds = model_picks(key, 3)
+    tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=len(seeds)), seeds=seeds,
+             explore=False, variants=False)
+    fastest = min(seeds, key=lambda c: ModelBackend.measure(backend, key, c).ms)
+    assert set(backend.measured) == {*seeds, hint_variant(fastest)}
+    # The same key with variants explores the fastest seed's neighbours.
+    again = MeasuredBackend("sm90")
+    tune_key(key, again, Store(str(tmp_path / "u.db")), Budget(trials=len(seeds)), seeds=seeds, explore=False)
+    assert set(neighbour_variants(fastest)) - set(backend.measured) <= set(again.measured)
+    assert len(set(again.measured)) > len(set(backend.measured))
+
+
 class _Scaled(MeasuredBackend):
     """The model's times, `factor` times them for the configs `which` picks."""
 

@@ -156,7 +156,8 @@ def tune(
 
         tune_families(work, bk, store, budget, ladder=ladder, force=force, revalidate=revalidate,
                       lease_ttl_s=lease_ttl, on_rung=on_event_rung,
-                      on_family=lambda name, state, rungs: events.emit("family", name=name, state=state, rungs=rungs))
+                      on_family=lambda name, state, outcome: events.emit(
+                          "family", name=name, state=state, rungs=outcome.tuned if outcome else 0))
         store.close()
         return
     with Progress(*columns, console=err_console, transient=False) as progress:
@@ -168,8 +169,14 @@ def tune(
                 progress.update(task, completed=done, total=total)
             return advance
 
+        def on_family(name: str, state: str, outcome) -> None:
+            if state == "done":
+                stages = ", ".join(f"{stage} {s:.0f}" for stage, s in outcome.seconds.items())
+                progress.console.print(f"{name}: {outcome.tuned} keys tuned, "
+                                       f"{sum(outcome.seconds.values()):.0f} s ({stages})", highlight=False)
+
         tune_families(work, bk, store, budget, ladder=ladder, force=force, revalidate=revalidate,
-                      lease_ttl_s=lease_ttl, on_rung=on_rung)
+                      lease_ttl_s=lease_ttl, on_rung=on_rung, on_family=on_family)
     maps = _family_maps(store, arch=arch, device=bk.device_name, names=[m[0][0] for m in families.values()])
     store.close()
     _print_maps(maps, as_json, f"M maps ({bk.device_name}, {arch})")

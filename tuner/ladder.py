@@ -6,7 +6,7 @@ apart and M = 1 is always covered. Listed rungs get the full budget; the
 others are cheap: they measure their tuned neighbours' winners (compiled
 already, since one compiled kernel serves every M) and the model's best
 shapes for their own M. Where a rung's winner beat cuBLAS, the gaps next to
-it get such cheap rungs at their probe points too (`_fill_rungs`): a
+it get a cheaper rung still at their geometric midpoints (`_fill_rungs`): a
 winning tile fits its own M's waves, not the M between.
 
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
@@ -68,6 +68,13 @@ class FamilyOutcome:
     rungs: dict[int, Outcome]
     ranges: list[dict]
     validated: bool
+    # Wall seconds per stage: "listed" keys, "ladder" rungs, "fill" rungs, "map" validation.
+    seconds: dict[str, float]
+
+    @property
+    def tuned(self) -> int:
+        """Rungs measured anew (not current in the store already)."""
+        return sum(not o.skipped for o in self.rungs.values())
 
 
 def rungs(listed: Sequence[int]) -> list[int]:
@@ -100,12 +107,22 @@ def tune_family(
         raise ValueError("tune_family takes the keys of one family")
     by_m = {k.problem.m: k for k in keys}
     outcomes: dict[int, Outcome] = {}
+    seconds: dict[str, float] = {}
+    clock = time.monotonic()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        seconds[stage] = round(now - clock, 1)
+        clock = now
+
     for m in sorted(by_m):
         outcomes[m] = tune_key(by_m[m], backend, store, budget, name=name, force=force,
                                on_trial=on_rung and on_rung(by_m[m], True))
+    lap("listed")
     template = keys[0]
 
-    def tune_rung(m: int) -> Outcome:
+    def tune_rung(m: int, variants: bool) -> Outcome:
         key = template.with_m(m)
         seeds = _neighbour_configs(outcomes, m)
         if backend.name != "model":
@@ -114,25 +131,31 @@ def tune_family(
         return tune_key(
             key, backend, store, Budget(trials=max(1, len(seeds)), seconds=budget.seconds),
             name=name, force=force, on_trial=on_rung and on_rung(key, False), seeds=seeds, explore=False,
+            variants=variants,
         )
 
     if ladder:
         for m in rungs(list(by_m)):
             if m not in outcomes:
-                outcomes[m] = tune_rung(m)
+                outcomes[m] = tune_rung(m, variants=True)
+        lap("ladder")
+        # A fill rung's seeds are the winners of the rungs around it, whose
+        # neighbouring variants were measured already.
         for m in _fill_rungs(outcomes):
-            outcomes[m] = tune_rung(m)
+            outcomes[m] = tune_rung(m, variants=False)
+        lap("fill")
     fresh = any(not o.skipped for o in outcomes.values())
     family = family_of(template)
     versions = backend.versions()
     current = [r for r in store.ranges(**family) if r.source == "ladder" and not r.stale(versions)]
     covered = current and min(r.m_lo for r in current) <= min(outcomes) and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
-        return FamilyOutcome(outcomes, [], validated=False)
+        return FamilyOutcome(outcomes, [], validated=False, seconds=seconds)
     ranges = build_map(_refine(template, _measure_points(template, outcomes, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
-    return FamilyOutcome(outcomes, ranges, validated=True)
+    lap("map")
+    return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds)
 
 
 class LeaseLost(RuntimeError):
@@ -144,7 +167,7 @@ def tune_families(
     families: Sequence[tuple[str, Sequence[Key]]], backend: Backend, store: Store, budget: Budget, *,
     ladder: bool = True, force: bool = False, revalidate: bool = False, lease_ttl_s: float | None = None,
     on_rung: Callable[[Key, bool], Callable[[int, int], None] | None] | None = None,
-    on_family: Callable[[str, str, int], None] | None = None,
+    on_family: Callable[[str, str, FamilyOutcome | None], None] | None = None,
 ) -> None:
     """`tune_family` for each (name, keys) family, shared with every other
     process tuning against the same database: a family is tuned only under
@@ -157,9 +180,10 @@ def tune_families(
     `LEASE_TTL_S`) while the family is tuned, whatever the tuning is doing (a
     long compile or validation included), so only a holder that died or hangs
     loses it; one that finds it lost stops the family (`LeaseLost`) and goes on.
-    `on_family(name, event, rungs)` hears "take", "done" (with the number of
-    rungs tuned anew), "current" (another process had done it all), "lost"
-    and "wait" (nothing free: every pending family is held by others)."""
+    `on_family(name, event, outcome)` hears "take", "done" (with the family's
+    outcome), "current" (another process had done it all), "lost" and "wait"
+    (nothing free: every pending family is held by others); the outcome is
+    None but for "done" and "current"."""
     owner = owner_id()
     ttl = lease_ttl_s or LEASE_TTL_S
     pending = list(families)
@@ -172,25 +196,24 @@ def tune_families(
                 continue
             took = True
             if on_family:
-                on_family(name, "take", 0)
+                on_family(name, "take", None)
             beat = _Heartbeat(store, lease, owner, ttl)
             try:
                 outcome = tune_family(keys, backend, store, budget, name=name, ladder=ladder, force=force,
                                       revalidate=revalidate, on_rung=beat.watching(on_rung))
             except LeaseLost:
                 if on_family:
-                    on_family(name, "lost", 0)
+                    on_family(name, "lost", None)
             else:
-                tuned = sum(not o.skipped for o in outcome.rungs.values())
                 if on_family:
-                    on_family(name, "done" if tuned or outcome.validated else "current", tuned)
+                    on_family(name, "done" if outcome.tuned or outcome.validated else "current", outcome)
             finally:
                 beat.stop()
                 store.release(lease, owner)
             pending.remove(item)
         if pending and not took:
             if on_family:
-                on_family(pending[0][0], "wait", 0)
+                on_family(pending[0][0], "wait", None)
             time.sleep(WAIT_S)
 
 
@@ -253,14 +276,17 @@ def _family_tuple(key: Key) -> tuple:
 
 
 def _fill_rungs(outcomes: dict[int, Outcome]) -> list[int]:
-    """The probe points of every gap between rungs next to a rung whose winner
-    beat cuBLAS: where the pool can win, a winner's tile fits its own M's
-    waves, and the M between two rungs fill them differently (27B o: the
+    """The geometric midpoint of every gap between rungs next to a rung whose
+    winner beat cuBLAS: where the pool can win, a winner's tile fits its own
+    M's waves, and the M between two rungs fill them differently (27B o: the
     4096 and 8192 winner lost 4-9 % to cuBLAS at the probes between them),
-    so those points get winners of their own."""
+    so the gap gets a winner of its own. One rung a gap, not one a probe:
+    validation measures every winner at the probes on either side anyway,
+    and each rung costs the tune a round of measurements."""
     ms = sorted(outcomes)
     wins = {m for m in ms if outcomes[m].winner.config and outcomes[m].winner.speedup >= HOLD_MARGIN}
-    return [p for lo, hi in zip(ms, ms[1:]) if lo in wins or hi in wins for p in probes(lo, hi)]
+    gaps = [(lo, hi) for lo, hi in zip(ms, ms[1:]) if lo in wins or hi in wins]
+    return [mid for lo, hi in gaps if lo < (mid := round(math.sqrt(lo * hi))) < hi]
 
 
 def _neighbour_configs(outcomes: dict[int, Outcome], m: int) -> list[GemmConfig]:

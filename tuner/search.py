@@ -87,12 +87,14 @@ class _Failed(Exception):
 def tune_key(
     key: Key, backend: Backend, store: Store, budget: Budget, *, name: str = "",
     force: bool = False, on_trial: Callable[[int, int], None] | None = None,
-    seeds: Sequence[GemmConfig] = (), explore: bool = True,
+    seeds: Sequence[GemmConfig] = (), explore: bool = True, variants: bool = True,
 ) -> Outcome:
     """Search the pool for `key`, store and return the winner.
 
     A new study first measures `seeds`, then (with `explore`) the winners of
     nearby tuned keys and (measured backends) the model's picks, then samples.
+    With `variants`, the best config's neighbours are measured before the
+    final round (`_pick_winner`).
 
     A key whose winner was measured under the backend's current versions is
     skipped unless `force`.
@@ -191,7 +193,7 @@ def tune_key(
 
     # Every verified trial of the key competes, whichever process measured it.
     measured.update((t.config_name, t) for t in store.trials(key_id, env_id))
-    winner, best, baseline_ms = _pick_winner(key, backend, measured, measure)
+    winner, best, baseline_ms = _pick_winner(key, backend, measured, measure, variants)
     store.set_winner(
         key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,
         config=winner.config, ms=winner.ms, baseline_ms=baseline_ms, best_by_scheduler=best,
@@ -200,12 +202,14 @@ def tune_key(
     return Outcome(key, store.winner(key_dict), skipped=False)
 
 
-def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, float], float]:
+def _pick_winner(
+    key, backend, measured, measure, variants: bool = True,
+) -> tuple[TrialView, dict[str, float], float]:
     """The winner, each scheduler's best time and the baseline's, all from one
     interleaved run.
 
-    The best config's neighbours (`neighbour_variants`) are measured first;
-    then the best config of each scheduler, the best config's cluster
+    With `variants`, the best config's neighbours (`neighbour_variants`) are
+    measured first. Then the best config of each scheduler, the best config's cluster
     neighbours, the fastest of them under the other L2 hint
     (`hint_variant`) and cuBLAS are re-measured round robin, so that clock
     and thermal drift between trials cannot decide the winner and the
@@ -215,7 +219,7 @@ def _pick_winner(key, backend, measured, measure) -> tuple[TrialView, dict[str, 
     """
     ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
     clusters: list[GemmConfig] = []
-    if ranked:
+    if ranked and variants:
         leaders = _shape_leaders([GemmConfig.from_dict(t.config) for t in ranked], NEIGHBOUR_SHAPES,
                                  tuple((fit.tile_m, fit.tile_n, False) for fit in _wave_fit_configs(key)))
         top = leaders[0]
