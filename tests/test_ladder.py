@@ -72,7 +72,7 @@ def tuned(tmp_path_factory):
 
 def test_family_is_tuned_at_every_rung_and_validated(tuned):
     path, store, model, out = tuned
-    # The ladder, plus probe points filled next to rungs whose winner beat cuBLAS.
+    # The ladder, plus the midpoints of gaps next to rungs whose winner beat cuBLAS.
     assert set(rungs([16, 700])) <= set(out.rungs) <= set(range(1, 701)) and out.validated
     ranges = store.ranges(n=5376, k=4096)
     assert ranges[0].m_lo == 1 and ranges[-1].m_hi == 700
