@@ -1,7 +1,7 @@
 """`gemm` against cuBLAS at M values the ladders did not tune, per family.
 
     python -m bench.dynamic_m --db DB --shapes FILE [FILE ...] [--only GLOB] [--points 64] [--seed 0]
-                              [--m M,M,...] [--rounds 60] [--out bench/results]
+                              [--m M,M,...] [--rounds 60] [--placements 3] [--out bench/results]
 
 For every family (N, K) of the shape files, tuned beforehand into DB with
 `tuner tune --backend gpu` (ladders on), times `tuner.gemm(x, W.t())`
@@ -16,7 +16,8 @@ captured in a CUDA graph of one call (so the host's dispatch cost, which
 and timed with CUDA events around one replay after a write of twice the L2
 size (the operands come from DRAM, as in a model's forward); the paths
 (and a second capture of cuBLAS, the bench's floor: `cublas_again`) take
-turns replay by replay, `--rounds` each; times are trimmed means
+turns replay by replay, `--rounds` each, over `--placements` copies of the
+input and output (`time_pair`); times are trimmed means
 (`tuner.measure.trimmed_mean`, as the tuner's validation uses), the ratio a
 trimmed mean of the rounds' paired log ratios. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
 times, cuBLAS / gemm, cuBLAS / cuBLAS again, the path `gemm` took and the
@@ -33,6 +34,7 @@ import math
 import random
 import statistics
 import sys
+import time
 import warnings
 
 import torch
@@ -46,6 +48,7 @@ from tuner.measure import trimmed_mean
 from tuner.shapes import parse_shapes
 
 M_MAX = 8192
+WARMUP_S = 0.1
 
 
 def random_ms(count: int, seed: int, exclude: set[int]) -> list[int]:
@@ -80,7 +83,8 @@ def families(paths: list[str], only: str) -> dict[tuple[int, int], tuple[str, li
     return out
 
 
-def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor) -> tuple[float, float, float, float]:
+def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor,
+              placements: int = 1) -> dict:
     """ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands,
     their ratio, and the ratio of cuBLAS to a second capture of itself.
 
@@ -92,16 +96,38 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
     floor: two captures of one call can differ (where torch's cuBLAS
     workspace stands at capture time picks the algorithm), and a gemm that
     runs cuBLAS is such a second capture.
-    """
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    def cublas():
-        return torch.mm(x, w.t(), out=out)
-    graphs = [capture(call) for call in (cublas, lambda: dispatch.gemm(x, w.t(), out), cublas)]
-    times = replay_rounds(graphs, rounds, flush)
 
-    def paired(other: list[float]) -> float:
-        return math.exp(trimmed_mean([math.log(c / o) for c, o in zip(times[0], other, strict=True)]))
-    return trimmed_mean(times[0]), trimmed_mean(times[1]), paired(times[1]), paired(times[2])
+    With `placements` > 1 the input and output are copied to that many
+    addresses, the rounds taking them in turn: at a few microseconds a
+    product's time depends on where its operands lie (a 3072 x 3072 weight
+    with one 5-row input of 16 ran our kernel 8 % slower than with the
+    others), as it does in a model, whose activations land where the
+    allocator puts them. The ratio is over all rounds; `worst_placement`
+    is the least of the placements' own ratios.
+    """
+    graphs = []
+    for _ in range(placements):
+        xp = x.clone()
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+
+        def cublas(xp=xp, out=out):
+            return torch.mm(xp, w.t(), out=out)
+        graphs += [capture(cublas), capture(lambda xp=xp, out=out: dispatch.gemm(xp, w.t(), out)), capture(cublas)]
+    times = replay_rounds(graphs, rounds, flush, placements=placements)
+
+    def logs(p: int, other: int) -> list[float]:
+        return [math.log(c / o) for c, o in zip(times[3 * p], times[3 * p + other], strict=True)]
+
+    def ratio(samples: list[float]) -> float:
+        return math.exp(trimmed_mean(samples))
+    every = range(placements)
+    return {
+        "cublas_ms": trimmed_mean([t for p in every for t in times[3 * p]]),
+        "gemm_ms": trimmed_mean([t for p in every for t in times[3 * p + 1]]),
+        "ratio": ratio([v for p in every for v in logs(p, 1)]),
+        "cublas_again": ratio([v for p in every for v in logs(p, 2)]),
+        "worst_placement": min(ratio(logs(p, 1)) for p in every),
+    }
 
 
 def flush_buffer(dev: torch.device) -> torch.Tensor:
@@ -121,21 +147,33 @@ def capture(call) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replay_rounds(graphs: list[torch.cuda.CUDAGraph], rounds: int, flush: torch.Tensor) -> list[list[float]]:
+def replay_rounds(graphs: list[torch.cuda.CUDAGraph], rounds: int, flush: torch.Tensor,
+                  placements: int = 1) -> list[list[float]]:
     """ms of every replay of each graph, each after a write of `flush`, the
     graphs taking turns in every order in turn (a place in the round weighs
-    on each graph alike)."""
-    orders = list(itertools.permutations(range(len(graphs))))
+    on each graph alike). With `placements` > 1 the graphs are that many
+    equal groups and a round replays one group, the groups in turn."""
+    size = len(graphs) // placements
+    orders = list(itertools.permutations(range(size)))
+    # An idle GPU's first calls run at lower clocks (a ramp interleaving
+    # does not cancel): rounds run untimed for WARMUP_S first.
+    started = time.perf_counter()
+    while time.perf_counter() - started < WARMUP_S:
+        for graph in graphs:
+            flush.add_(1)
+            graph.replay()
+        torch.cuda.synchronize()
     times: list[list[float]] = [[] for _ in graphs]
     for r in range(rounds):
-        for i in orders[r % len(orders)]:
+        base = r % placements * size
+        for i in orders[r // placements % len(orders)]:
             flush.add_(1)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graphs[i].replay()
+            graphs[base + i].replay()
             end.record()
             end.synchronize()
-            times[i].append(start.elapsed_time(end))
+            times[base + i].append(start.elapsed_time(end))
     return times
 
 
@@ -172,6 +210,7 @@ def summary(points: list[dict]) -> dict:
     ratios = [p["ratio"] for p in points]
     again = [p["cublas_again"] for p in points]
     return {"geomean": math.exp(statistics.fmean(map(math.log, ratios))), "min": min(ratios),
+            "worst_placement": min(p["worst_placement"] for p in points),
             "cublas_again_range": [min(again), max(again)],
             "kernel_share": sum(p["path"] == "kernel" for p in points) / len(points), "count": len(ratios)}
 
@@ -183,7 +222,7 @@ def run(args: argparse.Namespace) -> dict:
     flush = flush_buffer(dev)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     record = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "seed": args.seed,
-              "rounds": args.rounds, "families": []}
+              "rounds": args.rounds, "placements": args.placements, "families": []}
     all_sampled, all_rungs = [], []
     sample = "chosen" if args.m else "random"
     fams = families(args.shapes, args.only)
@@ -198,9 +237,8 @@ def run(args: argparse.Namespace) -> dict:
                 x = (torch.randn(m, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
                 why = dispatch.explain(x, w.t())
                 err = check(x, w)
-                cublas_ms, gemm_ms, ratio, floor = time_pair(x, w, args.rounds, flush)
                 fam[kind].append({
-                    "m": m, "cublas_ms": cublas_ms, "gemm_ms": gemm_ms, "ratio": ratio, "cublas_again": floor,
+                    "m": m, **time_pair(x, w, args.rounds, flush, args.placements),
                     "path": why.path, "config": why.config_name, "interval": why.interval,
                     "rel_err": err,
                 })
@@ -226,6 +264,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--m", type=m_list, default=None, help="Comma-separated M to time instead of random ones.")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--placements", type=int, default=3,
+                        help="Addresses of each point's input and output the rounds take in turn.")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     record = run(args)

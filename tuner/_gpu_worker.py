@@ -48,9 +48,17 @@ TIMED_MS = 30.0
 MIN_REPLAYS = 5
 MAX_REPLAYS = 100
 MAX_LAUNCHES_PER_REPLAY = 256
-# Replays of a cold-protocol measurement (one call each) when no rounds are given.
+# Replays of a cold-protocol measurement (one call each) when no rounds are
+# given, and how many operand sets they take turns over (`_Timer`).
 COLD_REPLAYS = 25
+COLD_PLACEMENTS = 5
 WARMUP_LAUNCHES = 3
+# An idle GPU clocks down, and its first calls after a pause (a compile, the
+# host's work between points) run slow: on an H100 the first point a process
+# timed read 5 % low against its repeats, a ramp that interleaving does not
+# cancel. After an idle spell of IDLE_S, untimed rounds run for WARMUP_S first.
+IDLE_S = 0.1
+WARMUP_S = 0.05
 # L2 of an H100, when the device does not report it.
 DEFAULT_L2_BYTES = 50 * 1024 * 1024
 
@@ -337,6 +345,11 @@ class _Timer:
     `flush` evicts L2: the latency a model's forward sees, where other kernels
     run between two calls of one GEMM, rather than back-to-back throughput.
     Small products rank differently under the two (launch ramp, dirty L2).
+    Cold replays take turns over graphs of up to `COLD_PLACEMENTS` operand
+    sets: at a few microseconds a product's time depends on where its
+    operands lie (on an H100, one pair of a 3072 x 3072 weight and its
+    5-row input out of 16 ran our kernel 8 % slower than the other 15), so
+    one placement can decide wrongly for every other.
     """
 
     def __init__(self, launch: Callable, sets: list[_Operands], flush=None):
@@ -356,8 +369,12 @@ class _Timer:
         end.synchronize()
         self.estimate_ms = start.elapsed_time(end) / n
         self.launches, self.replays = (1, COLD_REPLAYS) if flush is not None else plan(self.estimate_ms)
-        self.graph = self._capture()
-        self.mode = "graph" if self.graph is not None else "events"
+        placements = min(len(sets), COLD_PLACEMENTS) if flush is not None else 1
+        self._graphs = []
+        while len(self._graphs) < placements and (graph := self._capture()) is not None:
+            self._graphs.append(graph)
+        self._turn = 0
+        self.mode = "graph" if self._graphs else "events"
 
     def _one(self) -> None:
         self._launch(*self._sets[self._next % len(self._sets)].args)
@@ -387,8 +404,9 @@ class _Timer:
         if self._flush is not None:
             self._flush.add_(1)
         start.record()
-        if self.graph is not None:
-            self.graph.replay()
+        if self._graphs:
+            self._graphs[self._turn % len(self._graphs)].replay()
+            self._turn += 1
         else:
             for _ in range(self.launches):
                 self._one()
@@ -409,16 +427,27 @@ def _held(p: dict):
     return hold_sms(p["carveout"])
 
 
+_idle_since = 0.0
+
+
 def _time_interleaved(timers: list[_Timer], rounds: int, p: dict) -> tuple[list[list[float]], dict]:
     import torch
 
+    global _idle_since
     samples: list[list[tuple]] = [[] for _ in timers]
     with _held(p) as hold:
+        if time.perf_counter() - _idle_since > IDLE_S:
+            started = time.perf_counter()
+            while time.perf_counter() - started < WARMUP_S:
+                for t in timers:
+                    t.sample()
+                torch.cuda.synchronize()
         for r in range(rounds):
             # Rotate who goes first: what ran just before a call sets its clocks.
             for i in [(r + j) % len(timers) for j in range(len(timers))]:
                 samples[i].append(timers[i].sample())
     torch.cuda.synchronize()
+    _idle_since = time.perf_counter()
     times = [[t.per_launch(ev) for ev in evs] for t, evs in zip(timers, samples, strict=True)]
     return times, dict(hold)
 
