@@ -105,10 +105,11 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
     allocator puts them. The ratio is over all rounds; `worst_placement`
     is the least of the placements' own ratios.
     """
-    graphs = []
+    graphs, operands = [], []  # the graphs read and write the operands: they must outlive them
     for _ in range(placements):
         xp = x.clone()
         out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        operands += [xp, out]
 
         def cublas(xp=xp, out=out):
             return torch.mm(xp, w.t(), out=out)
