@@ -156,8 +156,8 @@ def replay_rounds(graphs: list[torch.cuda.CUDAGraph], rounds: int, flush: torch.
     equal groups and a round replays one group, the groups in turn."""
     size = len(graphs) // placements
     orders = list(itertools.permutations(range(size)))
-    # An idle GPU's first calls run at lower clocks (a ramp interleaving
-    # does not cancel): rounds run untimed for WARMUP_S first.
+    # A GPU's first calls after a pause run slow (a ramp interleaving does
+    # not cancel; `tuner._gpu_worker.WARMUP_S`): rounds run untimed first.
     started = time.perf_counter()
     while time.perf_counter() - started < WARMUP_S:
         for graph in graphs:
