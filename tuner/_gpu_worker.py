@@ -348,9 +348,9 @@ class _Timer:
     Small products rank differently under the two (launch ramp, dirty L2).
     Cold replays take turns over graphs of up to `COLD_PLACEMENTS` operand
     sets: at a few microseconds a product's time depends on where its
-    operands lie (on an H100, one pair of a 3072 x 3072 weight and its
-    5-row input out of 16 ran our kernel 8 % slower than the other 15), so
-    one placement can decide wrongly for every other.
+    operands lie (on an H100, cuBLAS / our kernel read 0.96 on one pair of
+    a 3072 x 3072 weight and its 5-row input out of 16, 1.04-1.05 on the
+    other 15), so one placement can decide wrongly for every other.
     """
 
     def __init__(self, launch: Callable, sets: list[_Operands], flush=None):
