@@ -156,8 +156,9 @@ def replay_rounds(graphs: list[torch.cuda.CUDAGraph], rounds: int, flush: torch.
     equal groups and a round replays one group, the groups in turn."""
     size = len(graphs) // placements
     orders = list(itertools.permutations(range(size)))
-    # A GPU's first calls after a pause run slow (a ramp interleaving does
-    # not cancel; `tuner._gpu_worker.WARMUP_S`): rounds run untimed first.
+    # A GPU's first calls after a pause run slow, a ramp interleaving does
+    # not cancel (the measurements are at the tuner's own warm-up,
+    # `tuner._gpu_worker.IDLE_S`): rounds run untimed for WARMUP_S first.
     started = time.perf_counter()
     while time.perf_counter() - started < WARMUP_S:
         for graph in graphs:
