@@ -197,6 +197,56 @@ def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
     assert any(r["config"] is not None for r in ranges)
 
 
+class _DipBackend:
+    """cuBLAS switches to a faster kernel for M in 66-74 only; our kernel's
+    time is flat and 2 % under cuBLAS's elsewhere."""
+
+    name = "synthetic"
+
+    def remeasure(self, key, cfgs, *, cold=False):
+        from tuner.measure import Measurement
+
+        m = key.problem.m
+        return [Measurement(ms=(0.95 if 66 <= m <= 74 else 1.0) if c is None else 0.98, ok=True) for c in cfgs]
+
+
+def test_refine_bisects_thin_leads_where_cublas_changes_kernel_between_points():
+    from kernels import space
+    from tuner.ladder import DENSE_RATIO, THIN_MARGIN, _measure, _refine
+
+    cfg = space.defaults("sm90")["single_tile"]
+    template = Key("sm90", "synthetic", Problem(64, 4096, 4096))
+    backend = _DipBackend()
+    points = [_measure(template, m, [cfg], backend) for m in (64, 81, 102, 128)]
+    # A 2 % lead at every measured point: one kernel range over the dip.
+    assert [r["config"] is not None for r in build_map(points)] == [True]
+    assert 1.0 / 0.98 < THIN_MARGIN
+    refined = _refine(template, points, backend)
+    for r in build_map(refined):
+        if r["config"] is not None:
+            assert not set(range(r["m_lo"], r["m_hi"] + 1)) & set(range(66, 75)), r
+    # Kernel ranges end up measured at most DENSE_RATIO apart where the lead is thin.
+    kernel_ms = sorted(m for m, times, _ in refined if times["cublas"] > times[cfg.name()])
+    assert max(b / a for a, b in zip(kernel_ms, kernel_ms[1:]) if a >= 75) <= DENSE_RATIO
+
+
+def test_refine_leaves_wide_leads_alone():
+    from tuner.ladder import _measure, _refine
+
+    class Wide(_DipBackend):
+        def remeasure(self, key, cfgs, *, cold=False):
+            from tuner.measure import Measurement
+
+            return [Measurement(ms=1.0 if c is None else 0.8, ok=True) for c in cfgs]
+
+    from kernels import space
+
+    cfg = space.defaults("sm90")["single_tile"]
+    template = Key("sm90", "synthetic", Problem(64, 4096, 4096))
+    points = [_measure(template, m, [cfg], Wide()) for m in (64, 81, 102, 128)]
+    assert [p[0] for p in _refine(template, points, Wide())] == [64, 81, 102, 128]
+
+
 def test_validation_also_times_the_winners_under_stream_k_and_the_other_l2_hint():
     """Between rungs a winner's tiles leave a partial wave its rungs did not
     have, and the L2 hint's worth changes with M: every point times each

@@ -15,7 +15,7 @@ neighbouring rungs (each also under the stream-K scheduler and under the
 other L2 hint) are re-measured interleaved, each call alone after an L2
 flush (the latency a model's forward sees, not back-to-back throughput); a
 range a kernel takes is measured again at the first M of every tile row
-inside it (`_refine`).
+inside it and, where its lead is thin, between its measured points (`_refine`).
 From those measurements `build_map` makes the family's M map:
 
 - at a measured M, the fastest candidate, a kernel only if it beats cuBLAS
@@ -56,8 +56,12 @@ HOLD_MARGIN = 1.01
 LEASE_TTL_S = 600.0
 # How long a process with nothing free to tune waits before looking again.
 WAIT_S = 0.5
-# Rounds of measuring kernel ranges at their tile-row starts (`_refine`).
-REFINE_ROUNDS = 3
+# Rounds of measuring kernel ranges again where they may lose (`_refine`).
+REFINE_ROUNDS = 4
+# A kernel range is measured between two of its points while its lead over
+# cuBLAS at either is under THIN_MARGIN and they lie more than DENSE_RATIO apart.
+THIN_MARGIN = 1.04
+DENSE_RATIO = 1.05
 # Configs a rung between listed ones measures beside its neighbours' winners:
 # the model's best shapes for that M.
 RUNG_MODEL_PICKS = 2
@@ -342,29 +346,41 @@ def _measure(template: Key, m: int, cfgs: list[GemmConfig], backend: Backend) ->
 
 
 def _refine(template: Key, points: list[tuple], backend: Backend) -> list[tuple]:
-    """Measure each kernel range again at the first M of every tile row inside it.
+    """Measure each kernel range again where it may lose inside.
 
-    Within one tile row a kernel's time stays put while cuBLAS's can only grow
-    with M, so a row's first M is the kernel's worst point in it; a range
-    whose two ends hold can still lose inside, right after the kernel starts
-    a new row (and, past a full wave, a new wave). Repeats while the map
-    changes, `REFINE_ROUNDS` times at most.
+    - At the first M of every tile row inside it: a kernel starting a new row
+      (and, past a full wave, a new wave) pays for rows it barely fills, so a
+      range whose two ends hold can lose right after a row starts.
+    - Between two of its measured points, at their geometric midpoint, while
+      the kernel's lead at either is under `THIN_MARGIN` and they are more
+      than `DENSE_RATIO` apart: neither time is monotonic in M within a row.
+      cuBLAS picks its tile per M (on a 5120 x 4096 weight, 64x72 tiles at
+      M = 65-72, 64x80 at 73-80, 64x88 at 81-95), and a 64x80 kernel of ours
+      ran 16 % faster at M = 112 than at 65, in the same tile row.
+
+    Repeats while the map changes, `REFINE_ROUNDS` times at most.
     """
     for _ in range(REFINE_ROUNDS):
         seen = {m for m, _, _ in points}
-        extra = []
+        extra: dict[int, list[GemmConfig]] = {}
         for r in build_map(points):
             if r["config"] is None:
                 continue
             cfg = GemmConfig.from_dict(r["config"])
-            others = [c for p in points if r["m_lo"] <= p[0] <= r["m_hi"] for c in p[2].values() if c != cfg]
+            inside = [p for p in points if r["m_lo"] <= p[0] <= r["m_hi"]]
+            cands = [cfg, *dict.fromkeys(c for p in inside for c in p[2].values() if c != cfg)]
             step = cfg.m_rows
             rows = range(r["m_lo"] // step, r["m_hi"] // step + 1)
-            extra += [(q * step + 1, [cfg, *others]) for q in rows
-                      if r["m_lo"] < q * step + 1 <= r["m_hi"] and q * step + 1 not in seen]
+            wanted = [q * step + 1 for q in rows if r["m_lo"] < q * step + 1 <= r["m_hi"]]
+            thin = [(a[0], b[0]) for a, b in zip(inside, inside[1:]) if b[0] > a[0] * DENSE_RATIO
+                    and min(_lead(a[1], r["config_name"]), _lead(b[1], r["config_name"])) < THIN_MARGIN]
+            wanted += [mid for lo, hi in thin if lo < (mid := round(math.sqrt(lo * hi))) < hi]
+            for m in wanted:
+                if m not in seen:
+                    extra.setdefault(m, cands)
         if not extra:
             break
-        points = sorted(points + [_measure(template, m, cfgs, backend) for m, cfgs in extra],
+        points = sorted(points + [_measure(template, m, cfgs, backend) for m, cfgs in sorted(extra.items())],
                         key=lambda p: p[0])
     return points
 
@@ -396,6 +412,11 @@ def build_map(points: list[tuple[int, dict[str, float], dict[str, GemmConfig]]])
             evidence=[{"m": points[i][0], "ms": points[i][1]} for i in idx],
         ))
     return out
+
+
+def _lead(times: dict[str, float], name: str) -> float:
+    """cuBLAS time / `name`'s time at one measured point (0 where `name` was not timed)."""
+    return times[BASELINE] / times[name] if name in times else 0.0
 
 
 def _beats(times: dict[str, float], name: str) -> bool:
