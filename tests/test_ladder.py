@@ -230,6 +230,36 @@ def test_refine_bisects_thin_leads_where_cublas_changes_kernel_between_points():
     assert max(b / a for a, b in zip(kernel_ms, kernel_ms[1:]) if a >= 75) <= DENSE_RATIO
 
 
+def test_refine_measures_a_range_that_starts_between_points():
+    """A range can begin right after a point another kernel took (64-row
+    tiles: M = 64 is one row, 65 is two). Its first M is measured, and so
+    is the thin stretch between that point and the next."""
+    from tuner.ladder import _measure, _refine
+    from tuner.measure import Measurement
+
+    one_row = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=64, stages=8)
+    two_rows = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=128, stages=8)
+
+    class Backend:
+        name = "synthetic"
+
+        def remeasure(self, key, cfgs, *, cold=False):
+            m = key.problem.m
+            ms = {None: 1.0, one_row: 0.9 if m <= 64 else 2.0,
+                  two_rows: 0.95 if m <= 64 else 1.05 if m <= 72 else 0.97}
+            return [Measurement(ms=ms[c], ok=True) for c in cfgs]
+
+    template = Key("sm90", "synthetic", Problem(64, 4096, 4096))
+    points = [_measure(template, m, [one_row, two_rows], Backend()) for m in (64, 76, 91, 128)]
+    before = build_map(points)
+    assert [(r["m_lo"], r["config_name"]) for r in before] == [(64, one_row.name()), (65, two_rows.name())]
+    refined = _refine(template, points, Backend())
+    assert {65, 70} <= {m for m, _, _ in refined}
+    for r in build_map(refined):
+        if r["config_name"] == two_rows.name():
+            assert r["m_lo"] > 72, r
+
+
 def test_refine_leaves_wide_leads_alone():
     from tuner.ladder import _measure, _refine
 

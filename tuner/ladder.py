@@ -367,11 +367,13 @@ def _refine(template: Key, points: list[tuple], backend: Backend) -> list[tuple]
             if r["config"] is None:
                 continue
             cfg = GemmConfig.from_dict(r["config"])
-            inside = [p for p in points if r["m_lo"] <= p[0] <= r["m_hi"]]
+            # The points the range stands on: those inside it and the ones just
+            # outside, which its first and last stretch were granted between.
+            inside = [p for p in points if r["m_lo"] - 1 <= p[0] <= r["m_hi"] + 1]
             cands = [cfg, *dict.fromkeys(c for p in inside for c in p[2].values() if c != cfg)]
             step = cfg.m_rows
             rows = range(r["m_lo"] // step, r["m_hi"] // step + 1)
-            wanted = [q * step + 1 for q in rows if r["m_lo"] < q * step + 1 <= r["m_hi"]]
+            wanted = [q * step + 1 for q in rows if r["m_lo"] <= q * step + 1 <= r["m_hi"]]
             thin = [(a[0], b[0]) for a, b in zip(inside, inside[1:]) if b[0] > a[0] * DENSE_RATIO
                     and min(_lead(a[1], r["config_name"]), _lead(b[1], r["config_name"])) < THIN_MARGIN]
             wanted += [mid for lo, hi in thin if lo < (mid := round(math.sqrt(lo * hi))) < hi]
