@@ -5,7 +5,7 @@ patched (`tuner.patch`), eager and under torch.compile.
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024] [--decode 1,16] [--steps 64] [--prompt 128]
                         [--rounds 300] [--decode-rounds 20] [--check-rounds 30]
-                        [--modes eager,compiled]
+                        [--modes eager,compiled] [--graphs]
                         [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
@@ -52,7 +52,15 @@ downloaded).
    against compiled, since Inductor's own fusions move a compiled model's
    logits by up to 2 % from its eager ones with no kernel of ours in it.
 
-Writes `<out>/<device-slug>-e2e[-MODELS][-MODES].json` (`$OUT` instead of
+With `--graphs` the models run as a serving engine runs its decode steps:
+the patched copy is patched with `patch(graphs=True)` (every kernel interval
+of the maps, judged by `check` on its calls' device time alone), and every
+case's callable, eager or compiled, is captured in a CUDA graph on its first
+call (after a warm-up call) and replayed after, its inputs copied into the
+captured ones (`_Graphed`). A replay runs no host code of the model, so
+this is where the kernels' device time reaches the tokens per second.
+
+Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs].json` (`$OUT` instead of
 `--out` when set; the suffixes name a subset of models or modes, and the file
 is rewritten after every case, so a run cut short keeps what it measured):
 per model what the check measured, and per case the tokens/s of each
@@ -169,9 +177,10 @@ def _speed(halves: list[list[tuple[float, float, bool]]], per_s: int) -> dict:
             "order_effect": est["order_effect"], "log_spread": est["spread"], "pairs": est["samples"]}
 
 
-def _both_ways(models: dict, mode: str, measure) -> list[list[tuple[float, float, bool]]]:
+def _both_ways(models: dict, mode: str, measure, graphs: bool) -> list[list[tuple[float, float, bool]]]:
     """The pairs of `measure(fns, lead)` ({variant: callable}, the order to
-    run them in first -> pairs), run with the variants as they are and again
+    run them in first -> pairs; each callable replayed from a CUDA graph
+    under `graphs`), run with the variants as they are and again
     with the copies' roles swapped (`_swap`) and the other variant leading,
     so that what sets one copy or one place in the order apart cancels:
     where its tensors and its KV cache lie in memory, which one compiles
@@ -183,9 +192,42 @@ def _both_ways(models: dict, mode: str, measure) -> list[list[tuple[float, float
     for lead in (VARIANTS, VARIANTS[::-1]):
         if mode == "compiled":
             torch._dynamo.reset()
-        halves.append(measure({v: torch.compile(m) if mode == "compiled" else m for v, m in models.items()}, lead))
+        fns = {v: torch.compile(m) if mode == "compiled" else m for v, m in models.items()}
+        halves.append(measure({v: _Graphed(fn) if graphs else fn for v, fn in fns.items()}, lead))
         _swap(models)
     return halves
+
+
+class _Graphed:
+    """`fn(**kwargs)` captured in a CUDA graph on its first call and replayed
+    on every call after: tensor arguments are copied into the captured ones
+    (same shapes), the others (a KV cache) must be the very objects of the
+    first call, and the output is the captured one, overwritten by the next
+    replay. The first call runs `fn` once untimed on a side stream before
+    capturing: every key's kernel is decided and built then, as capture
+    needs (`tuner.dispatch`)."""
+
+    def __init__(self, fn) -> None:
+        self._fn, self._graph = fn, None
+
+    def __call__(self, **kwargs):
+        if self._graph is None:
+            self._inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._fn(**self._inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._output = self._fn(**self._inputs)
+        for k, v in kwargs.items():
+            if torch.is_tensor(v):
+                self._inputs[k].copy_(v)
+            elif v is not self._inputs[k]:
+                raise ValueError(f"_Graphed: {k} is not the object the graph was captured with")
+        self._graph.replay()
+        return self._output
 
 
 def _swap(models: dict) -> None:
@@ -193,9 +235,10 @@ def _swap(models: dict) -> None:
     intervals `patch` and `check` left them), and the patched copy is
     unpatched."""
     done, fresh = models["patched"], models["unpatched"]
+    graphs = any(getattr(layer, "tuner_graphs", False) for layer in done.modules())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch's warnings are in the record
-        patch(fresh)
+        patch(fresh, graphs=graphs)
     for name, layer in done.named_modules():
         if not isinstance(layer, torch.nn.Linear):
             continue
@@ -230,7 +273,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in families])} kernels", file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        patch(tuned)
+        patch(tuned, graphs=args.graphs)
         checked = check(tuned, _workload(tuned, args), rounds=args.check_rounds) if args.check_rounds else []
     for c in checked:
         print(f"{name:12s} check {c.n}x{c.k} M={c.m}: calls x{c.speedup:.3f} (2 se {2 * c.log_se:.3f}), "
@@ -241,7 +284,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
              if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
-    record = {"model": name, "layers": args.layers, "patch_warnings": warned,
+    record = {"model": name, "layers": args.layers, "graphs": args.graphs, "patch_warnings": warned,
               "families": families, "check": [dataclasses.asdict(c) for c in checked],
               "kernel_spans": {name: {"eager": [list(span) for span in s[0]], "compiled": [list(span) for span in s[1]]}
                                for name, s in spans.items()},
@@ -271,7 +314,8 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
                     errors.append(_rel_err(run(fns["patched"]), run(fns["unpatched"])))
                     return pairs
 
-                case[mode] = {**_speed(_both_ways(models, mode, measure), batch * seq), "rel_err": max(errors)}
+                case[mode] = {**_speed(_both_ways(models, mode, measure, args.graphs), batch * seq),
+                              "rel_err": max(errors)}
             _report(name, "prefill", case)
             record["prefill"].append(case)
             checkpoint(record)
@@ -336,7 +380,8 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
         token, logits, tokens = first, None, []
         for pos in positions:
             last = step(fn, v, token, pos)
-            logits = last if logits is None else logits  # the first step's: same inputs in every variant
+            # The first step's (same inputs in every variant), copied: a graph's replay overwrites it.
+            logits = last.clone() if logits is None else logits
             token = last.argmax(-1, keepdim=True)
             tokens.append(token)
         return logits, torch.cat(tokens, 1)
@@ -368,7 +413,7 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
             agreements.append((tokens == want_tokens).float().mean().item())
             return pairs
 
-        case[mode] = {**_speed(_both_ways(models, mode, measure), batch), "rel_err": max(errors),
+        case[mode] = {**_speed(_both_ways(models, mode, measure, args.graphs), batch), "rel_err": max(errors),
                       "token_agreement": min(agreements)}
     return case
 
@@ -443,6 +488,8 @@ def main() -> None:
                         help="Rounds of tuner.check on one call of each case after patching (0: no check).")
     parser.add_argument("--modes", type=lambda t: t.split(","), default=list(_MODES),
                         help="eager, compiled or both (comma-separated).")
+    parser.add_argument("--graphs", action="store_true",
+                        help="Patch for CUDA graphs and replay every case from one (module doc).")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if args.tune != "none":
@@ -454,6 +501,7 @@ def main() -> None:
     which = "" if args.models == list(MODELS) else "-" + "_".join(os.path.basename(m).removesuffix(".json")
                                                                 for m in args.models)
     which += "" if sorted(args.modes) == ["compiled", "eager"] else "-" + "_".join(args.modes)
+    which += "-graphs" if args.graphs else ""
     path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))

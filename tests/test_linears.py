@@ -181,6 +181,11 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     _swap(models)
     assert models["patched"] is first and first[0].tuner_spans == ((1, 3),) and type(first[1]) is nn.Linear
     assert all(type(m) is nn.Linear for m in net)
+    assert not first[0].tuner_graphs
+    # A copy patched for CUDA graphs hands its role on as it is.
+    models["patched"] = patch(copy.deepcopy(net), graphs=True)
+    _swap(models)
+    assert models["patched"][0].tuner_graphs and models["patched"][1].tuner_graphs
 
 
 def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():

@@ -206,6 +206,29 @@ def test_spans_are_kept_only_where_the_saving_covers_the_host_cost(spy, monkeypa
     assert calls == [(12, 128)]
 
 
+def test_under_graphs_every_kernel_span_is_kept_and_no_host_cost_is_measured(spy, monkeypatch):
+    calls, spans = spy
+
+    def no_measuring(layer, m):
+        raise AssertionError("a replayed forward pays no host cost: nothing to measure")
+
+    monkeypatch.setattr(patch_module, "_measure_host_costs", no_measuring)
+    spans[(128, 64)] = ((1, 8, 5.0), (9, 16, 20.0), (100, 200, 50.0))
+    spans[(32, 128)] = ((1, 8, 0.5),)
+    net = _net()
+    patch(net, bias=True, graphs=True)
+    assert net[0].tuner_spans == net[0].tuner_compiled_spans == ((1, 8), (9, 16), (100, 200))
+    assert net[2].tuner_spans == ((1, 8),) and net[0].tuner_graphs and net[2].tuner_graphs
+    with torch.no_grad():
+        net(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert calls == [(4, 128), (4, 32)]
+    monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (10.0, 30.0))
+    patch(net, bias=True)  # patched again without graphs: the host costs count again
+    assert net[0].tuner_spans == ((9, 16), (100, 200)) and not net[0].tuner_graphs
+    unpatch(net)
+    assert "tuner_graphs" not in vars(net[0])
+
+
 def test_patched_context_unpatches_when_the_block_raises(spy):
     _, spans = spy
     spans[(128, 64)] = ((1, 8),)
@@ -352,6 +375,26 @@ def test_check_times_the_calls_of_compiled_only_intervals_and_trims_them(slow, m
     assert [(c.m, c.calls_won, c.kept) for c in found] == [(4, False, False), (150, True, True)]
     assert found[0].forward_speedup is None  # eager forwards never run it: measured without it
     assert (net[0].tuner_spans, net[0].tuner_compiled_spans) == (((100, 200),), ((100, 200),))
+
+
+def test_check_keeps_what_won_on_device_time_for_layers_replayed_from_graphs(slow):
+    """The calls save 1 % and the forwards swing by far more, as in the test
+    above; a layer patched for CUDA graphs keeps its kernel in eager calls
+    too: a replayed forward does not wait on the host."""
+    spans, sleeps, clock = slow
+    spans[(128, 64)] = ((1, 8),)
+    spans[(32, 128)] = ((1, 8),)
+    sleeps.update({("cublas", 128, 2): 1e-5, ("kernel", 32, 2): 1e-3})
+    net = _net()
+    jitter = random.Random(0)
+    net[1].register_forward_pre_hook(lambda mod, args: clock.sleep(jitter.uniform(0, 0.02)))
+    patch(net, bias=True, graphs=True)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    found = {c.n: c for c in check(net, lambda: net(x), rounds=16)}
+    assert found[128].calls_won and found[128].kept and found[128].speedup == pytest.approx(1.01)
+    assert not found[32].calls_won and not found[32].kept  # lost on device time: cuBLAS, graphs or not
+    assert (net[0].tuner_spans, net[0].tuner_compiled_spans) == (((1, 8),), ((1, 8),))
+    assert type(net[2]) is nn.Linear
 
 
 def test_union_merges_overlapping_and_touching_spans():
@@ -535,7 +578,8 @@ def test_compile_fullgraph_of_a_patched_decoder_layer(tiny):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_of_a_patched_decode_step(tiny):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_graph_capture_of_a_patched_decode_step(tiny, graphs):
     from transformers import StaticCache
 
     batch, prompt = 4, 16
@@ -567,7 +611,7 @@ def test_cuda_graph_capture_of_a_patched_decode_step(tiny):
 
     with torch.inference_mode():
         want = replayed_step()
-        with warnings.catch_warnings(), patched(tiny):
+        with warnings.catch_warnings(), patched(tiny, graphs=graphs):
             _strict()
             got = replayed_step()
             assert all(m.tuner_launchers for m in tiny.model.layers.modules() if type(m) is TunedLinear)

@@ -16,7 +16,9 @@ waits on the host (a decode step) also pays the kernel path's host cost over
 which `patch` measures once per process and device on the layers' own kernel
 (host time per call of each path, no sync in between): one cost for eager
 calls (the kept launch) and one for compiled graphs (the registered op,
-against the `mm` a compiled graph calls otherwise). A layer with an interval
+against the `mm` a compiled graph calls otherwise). A forward replayed from
+a CUDA graph runs no host code at all: `patch(model, graphs=True)` keeps
+every kernel interval for models run that way. A layer with an interval
 left becomes a `TunedLinear` (its class is swapped: parameters, hooks, state
 dict and `isinstance(m, nn.Linear)` stay as they were); one without any
 stays an `nn.Linear`, since `gemm` would run cuBLAS for it at every M: that
@@ -88,6 +90,9 @@ class TunedLinear(nn.Linear):
     # M -> the kernel launch `gemm` chose for this weight, kept after the first
     # eager call: a repeat call then skips gemm's checks but a's alignment.
     tuner_launchers: dict
+    # Patched for forwards replayed from CUDA graphs (`patch(graphs=True)`):
+    # no host cost to cover, and `check` keeps what won on device time.
+    tuner_graphs: bool = False
     # The least and largest M of both kinds of interval: most calls fall
     # outside, and in a forward that waits on the host every call's Python
     # counts (bench.patch_overhead), so one comparison turns them away.
@@ -98,7 +103,8 @@ class TunedLinear(nn.Linear):
     @property
     def tuner_spans(self) -> tuple[tuple[int, int], ...]:
         """M intervals where eager calls run `gemm`: a kernel there saves
-        more than the host cost of calling it (from patch time)."""
+        more than the host cost of calling it (from patch time; every kernel
+        interval under `graphs`)."""
         return self._tuner_spans
 
     @tuner_spans.setter
@@ -154,12 +160,16 @@ class TunedLinear(nn.Linear):
         return y.view(*input.shape[:-1], self.out_features)
 
 
-def patch(model: nn.Module, *, bias: bool = False) -> nn.Module:
+def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False) -> nn.Module:
     """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
     dispatch (module doc); returns `model`. `bias`: layers with a bias too
-    (added after the product). Patching a patched model reads the database
-    again. Warns (`PatchWarning`) when no layer qualifies, and names the
-    shapes nothing is tuned for."""
+    (added after the product). `graphs`: the model's forwards are replayed
+    from CUDA graphs (a serving engine's captured decode steps, or
+    `torch.compile(mode="reduce-overhead")`): a replay runs no host code, so
+    every kernel interval of the maps is kept, eager and compiled, and
+    `check` judges them by their calls' device time alone. Patching a
+    patched model reads the database again. Warns (`PatchWarning`) when no
+    layer qualifies, and names the shapes nothing is tuned for."""
     layers, biased = [], False
     for m in model.modules():
         if _eligible(m) and (bias or m.bias is None):
@@ -187,12 +197,13 @@ def patch(model: nn.Module, *, bias: bool = False) -> nn.Module:
         if spans_of[layer]:
             layer.__class__ = TunedLinear
             layer.tuner_launchers = {}
+            layer.tuner_graphs = graphs
             layer.tuner_spans = layer.tuner_compiled_spans = ()
         else:
             _restore(layer)
     for device in {layer.weight.device.index for layer in layers if spans_of[layer]}:
         on_device = [layer for layer in layers if spans_of[layer] and layer.weight.device.index == device]
-        eager, compiled = _costs(device, on_device, spans_of)
+        eager, compiled = (0.0, 0.0) if graphs else _costs(device, on_device, spans_of)
         for layer in on_device:
             layer.tuner_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= eager)
             layer.tuner_compiled_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= compiled)
@@ -232,7 +243,8 @@ class Checked:
     its standard error (`forward_speedup`, `forward_log_se`; None when no
     such forward did), whether the calls won (`calls_won`: the kernel stays
     in compiled graphs at that M) and whether the forwards did too (`kept`:
-    it stays in eager calls)."""
+    it stays in eager calls; the calls alone for layers patched with
+    `graphs`)."""
 
     n: int
     k: int
@@ -263,7 +275,8 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     by two standard errors, and every forward that made those calls ran
     faster with the kernels than without them, by two of its own standard
     errors (a forward no faster within its noise is a tie, and a tie goes
-    to cuBLAS).
+    to cuBLAS). Layers patched with `graphs` are replayed from CUDA graphs,
+    where no host time is spent on them: their calls alone decide.
     Else the stretch of the interval that M stands for goes to cuBLAS
     (`_trim`). Compiled intervals lose it only where the calls lost, since a
     compiled graph fuses the kernels around the GEMM and does not pay the
@@ -289,10 +302,11 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     if won != timed:
         forwards = _measure(model, won, workload, rounds)[1] if any(won.values()) else {}
     least = _least_forwards(forwards)
+    replayed = {_shape(layer) for layer in layers if layer.tuner_graphs}
     found, kept = [], {}
     for key in sorted(calls, key=lambda key: (key[0], key[1], str(key[2]), key[3])):  # dtypes do not order
         (n, k, dtype, m), est, whole = key, calls[key], least.get(key, {})
-        kept[key] = wins[key] and (not whole or _beats(whole))
+        kept[key] = wins[key] and (key[:3] in replayed or not whole or _beats(whole))
         found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"],
                              whole.get("speedup"), whole.get("log_se"), wins[key], kept[key]))
     for layer in layers:
@@ -478,7 +492,7 @@ def _shape(layer: nn.Linear) -> tuple[int, int, torch.dtype]:
 def _restore(layer: nn.Module) -> None:
     if type(layer) is TunedLinear:
         layer.__class__ = nn.Linear
-        for name in ("_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "tuner_launchers"):
+        for name in ("_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "tuner_launchers", "tuner_graphs"):
             layer.__dict__.pop(name, None)
 
 
@@ -529,9 +543,9 @@ def _measure_host_costs(layer: TunedLinear, m: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def patched(model: nn.Module, *, bias: bool = False) -> Iterator[nn.Module]:
-    """`patch(model, bias=bias)` for the block, `unpatch(model)` after it."""
-    patch(model, bias=bias)
+def patched(model: nn.Module, *, bias: bool = False, graphs: bool = False) -> Iterator[nn.Module]:
+    """`patch(model, bias=bias, graphs=graphs)` for the block, `unpatch(model)` after it."""
+    patch(model, bias=bias, graphs=graphs)
     try:
         yield model
     finally:
