@@ -332,7 +332,9 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
 
 def _workload(model, args: argparse.Namespace):
     """`check`'s workload: one forward of each prefill case and one decode
-    step at each batch (into a cache of its own), on inputs of their own."""
+    step at each batch (into a cache of its own, emptied first: transformers
+    5's StaticCache counts the positions written, and the check's runs would
+    take it past its length), on inputs of their own."""
     from transformers import StaticCache
 
     vocab = model.config.get_text_config().vocab_size
@@ -346,6 +348,7 @@ def _workload(model, args: argparse.Namespace):
         for ids in prompts:
             model(input_ids=ids, logits_to_keep=1, use_cache=False)
         for token, cache in steps:
+            cache.reset()
             model(input_ids=token, past_key_values=cache, cache_position=position)
     return run
 

@@ -255,3 +255,26 @@ def test_patch_overhead_names_a_bad_prefill(prefill, message):
     proc = subprocess.run([sys.executable, "-m", "bench.patch_overhead", "--prefill", prefill],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_the_e2e_check_workload_runs_as_often_as_a_check_asks(monkeypatch):
+    """Its decode steps go into static caches of one position past the
+    prompt: run again and again (a check runs it 60 times and more), each
+    step must start from an empty cache, or the cache runs past its length."""
+    import argparse
+
+    import bench.e2e as e2e
+
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(e2e, "DEVICE", "cpu")
+    config = transformers.AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    args = argparse.Namespace(prefill=[(1, 4)], decode=[2], prompt=4)
+    run = e2e._workload(model, args)
+    with torch.no_grad():
+        for _ in range(3 * (args.prompt + 1)):
+            run()
+
