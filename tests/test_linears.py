@@ -59,6 +59,16 @@ def test_a_config_builds_on_the_meta_device_and_truncates():
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_config_with_one_entry_a_layer_truncates_them_too(tmp_path):
+    config = tmp_path / "config.json"
+    layer_types = ["sliding_attention", "full_attention"] * 4
+    config.write_text(json.dumps({**SMALL, "model_type": "qwen3", "num_hidden_layers": 8, "head_dim": 64,
+                                  "layer_types": layer_types, "max_window_layers": 8}))
+    model = build_model(config, num_layers=3)
+    assert len(model.model.layers) == 3 and model.config.layer_types == layer_types[:3]
+    assert len(build_model(config).model.layers) == 8
+
+
 def test_shapes_from_model_cli_writes_a_shape_file_from_a_config_or_a_module(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL))
@@ -94,6 +104,11 @@ def test_a_config_transformers_cannot_build_names_the_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ModelSourceError, match=rf"{bad}: not JSON"):
         shapes_from_model(bad, [1])
+    # transformers' own validators raise types of their own, over several lines.
+    bad.write_text(json.dumps({**SMALL, "model_type": "qwen3", "layer_types": ["full_attention"]}))
+    proc = _cli("shapes", "--from-model", str(bad))
+    assert proc.returncode == 2 and len(proc.stdout.strip().splitlines()) == 1, proc.stdout
+    assert f"{bad}: transformers cannot build it:" in proc.stdout and "layer_types" in proc.stdout
     proc = _cli("shapes", "--from-model", "llama-3.1-8b", "--from-config", str(bad))
     assert proc.returncode == 2 and "give one of --from-config" in proc.stdout
 

@@ -103,14 +103,23 @@ def build_model(source: str | Path, *, num_layers: int | None = None, device="me
     if model_type not in CONFIG_MAPPING:
         raise ModelSourceError(f"{path}: model_type {model_type!r} is not one transformers {__version__} knows")
     if num_layers is not None:
-        fields["num_hidden_layers"] = num_layers
+        fields = _truncated(fields, num_layers)
     try:
         hf_config = AutoConfig.for_model(model_type, **fields)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype or _torch_dtype(config))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ModelSourceError(f"{path}: transformers cannot build it: {exc}") from None
+    except Exception as exc:  # transformers' validators raise their own types: each is reported, on one line
+        raise ModelSourceError(f"{path}: transformers cannot build it: {' '.join(str(exc).split())}") from None
     return model.eval()
+
+
+def _truncated(fields: dict, num_layers: int) -> dict:
+    """`fields` of a config with `num_layers` decoder layers: lists of one
+    entry a layer (`layer_types`, which transformers checks against the layer
+    count) keep the first `num_layers` entries."""
+    total = fields.get("num_hidden_layers")
+    per_layer = {k: v[:num_layers] for k, v in fields.items() if isinstance(v, list) and total and len(v) == total}
+    return {**fields, **per_layer, "num_hidden_layers": num_layers}
 
 
 def linear_shapes(model) -> list[LinearShape]:
