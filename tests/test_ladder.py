@@ -151,6 +151,12 @@ def test_show_family_fits_80_columns_when_piped_and_has_json(tuned, tmp_path):
     assert fm["name"] == "o" and fm["ranges"][0]["m_lo"] == 1 and fm["ranges"][0]["evidence"]
     winners = json.loads(_cli("show", "--json", db=path).stdout)
     assert {w["key"]["m"] for w in winners if w["key"]["n"] == 5376} == set(tuned[3].rungs)
+    # A table a family: each row's winner whole on its line, not folded.
+    from tuner.cli import short_config
+
+    shown = _cli("show", db=path).stdout
+    assert "o: N=5376 K=4096 bf16>bf16 tn sm90" in shown
+    assert all(short_config(w["config_name"]) in shown for w in winners)
     png = tmp_path / "o.png"
     _cli("plot", "--family", "o", "-o", str(png), db=path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -254,7 +254,7 @@ def show(
     elif not rows:
         console.print("no winners match")
     else:
-        console.print(_winners_table(rows, f"{len(rows)} winners"))
+        _print_winners(rows, f"{len(rows)} winners")
 
 
 @app.command()
@@ -574,18 +574,26 @@ def _table(title: str, columns: list[str], left: tuple[str, ...]) -> Table:
     return table
 
 
-def _winners_table(rows, title: str) -> Table:
-    grouped = any(w.key["groups"] > 1 for w in rows)
-    columns = ["name", "M", "N", "K", *(["G"] if grouped else []), "winner", "ms", "cuBLAS", "x"]
-    table = _table(title, columns, ("name", "winner"))
+def _print_winners(rows, title: str) -> None:
+    """One table a family (name and everything of the key but M), so that a
+    row holds M, the winner and its times and fits 80 columns unfolded."""
+    families: dict[tuple, list] = {}
     for w in rows:
-        k = w.key
-        kk = ",".join(map(str, k["group_k"])) if k["group_k"] else str(k["k"])
-        table.add_row(
-            w.name or "-", str(k["m"]), str(k["n"]), kk, *([str(k["groups"])] if grouped else []),
-            short_config(w.config_name), f"{w.ms:.4f}", f"{w.baseline_ms:.4f}", f"{w.speedup:.2f}",
-        )
-    return table
+        families.setdefault((w.name, _family_id(w.key)), []).append(w)
+    console.print(title, highlight=False)
+    for (name, _), winners in families.items():
+        table = _table(_family_head(name or "-", winners[0].key), ["M", "winner", "ms", "cuBLAS", "x"], ("winner",))
+        for w in winners:
+            table.add_row(str(w.key["m"]), short_config(w.config_name), f"{w.ms:.4f}", f"{w.baseline_ms:.4f}",
+                          f"{w.speedup:.2f}")
+        console.print(table)
+
+
+def _family_head(name: str, f: dict) -> str:
+    """A family's table title: its name and its key but M."""
+    k = ",".join(map(str, f["group_k"])) if f.get("group_k") else str(f["k"])
+    return (f"{name}: N={f['n']} K={k}" + (f" G={f['groups']}" if f["groups"] > 1 else "")
+            + f" {f['dtype_in']}>{f['dtype_out']} {f['layout']} {f['arch']} {f['device']}")
 
 
 @dataclass(frozen=True)
@@ -639,10 +647,8 @@ def _print_maps(maps: list[FamilyMap], as_json: bool, title: str) -> None:
         return
     console.print(title, highlight=False)
     for fm in maps:
-        f = fm.family
-        head = (f"{fm.name}: N={f['n']} K={f['k']}" + (f" G={f['groups']}" if f["groups"] > 1 else "")
-                + f" {f['dtype_in']}>{f['dtype_out']} {f['layout']} {f['arch']} {f['device']}")
-        table = _table(head, ["M from", "M to", "choice", "pts", "x min", "x max"], ("choice",))
+        table = _table(_family_head(fm.name, fm.family), ["M from", "M to", "choice", "pts", "x min", "x max"],
+                       ("choice",))
         for r in fm.ranges:
             if r.config is None:
                 # cuBLAS: how close the best kernel came at the points the range covers.
