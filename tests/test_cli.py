@@ -202,3 +202,18 @@ def test_only_restricts_keys_by_name_glob(tmp_path):
     assert "gemma3-27b.o" in out and "gemma3-1b" not in out
     proc = tuner("tune", "--shapes", "gemma3.txt", "--only", "nope*", db=db, check=False)
     assert proc.returncode == 2 and "no key" in proc.stdout + proc.stderr
+
+
+def test_help_fits_80_columns_when_piped_and_cuts_no_summary():
+    def help_of(*args):
+        proc = subprocess.run([sys.executable, "-m", "tuner.cli", *args, "--help"], capture_output=True, text=True,
+                              cwd=ROOT, env={**os.environ, "COLUMNS": "80"}, check=True)
+        return proc.stdout
+
+    top = help_of()
+    listed = top.split("Commands:")[1]
+    commands = [line.split()[0] for line in listed.splitlines() if line.strip()]
+    assert "tune" in commands and "show" in commands
+    assert "..." not in listed  # every command's summary whole
+    for text in [top, *(help_of(c) for c in commands)]:
+        assert max(map(len, text.splitlines())) <= 80, text

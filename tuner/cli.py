@@ -17,7 +17,9 @@ from rich.table import Table
 from kernels.space import ARCHS
 from tuner.key import Key
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+# Plain help (click's): rich's boxed option table leaves its help column
+# about 20 characters wide at 80 columns.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 console = Console()
 # Progress bars go to stderr, so stdout stays the tables (or JSON) alone.
 err_console = Console(stderr=True)
@@ -96,8 +98,10 @@ def tune(
     worker_events: bool = typer.Option(False, "--worker-events", hidden=True),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Search the kernel pool for every family of a shape file (or a model's
-    linear layers) and store its M map."""
+    """Search the kernel pool for each family and store its M map.
+
+    Every family of a shape file (--shapes), or of a model's linear layers
+    (--model)."""
     from tuner.ladder import owner_id, tune_families
     from tuner.lookup import family_of
     from tuner.search import Budget
@@ -238,7 +242,9 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Show stored winners (cuBLAS time and each scheduler's best in --json), or M maps."""
+    """Show stored winners, or each family's M map (--family).
+
+    A winner's time against cuBLAS's; --json adds each scheduler's best."""
     store = _open(db, writer=False)
     if family:
         maps = _family_maps(store, arch=arch, device=device, n=n, k=k, groups=groups)
@@ -264,7 +270,7 @@ def plot(
     device: Optional[str] = typer.Option(None, help="Only this device name."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Draw a family's M map: time against M for the choice and for cuBLAS."""
+    """Draw a family's M map: time against M, the choice and cuBLAS."""
     from tuner.plots import plot_family
 
     store = _open(db, writer=False)
@@ -304,8 +310,10 @@ def import_(
     source: Path = typer.Argument(..., help="JSON file written by `tuner export`."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Store winners from a JSON export; a stored winner is replaced only by a
-    faster one. Every record is checked first: one bad record stores nothing."""
+    """Store winners from a JSON export.
+
+    A stored winner is replaced only by a faster one. Every record is checked
+    first: one bad record stores nothing."""
     from service.schemas import RecordError, validate_records
 
     try:
@@ -330,8 +338,10 @@ def shapes_(
     m: str = typer.Option("1,16,128,512,2048,8192", help="Token counts M, comma-separated."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Shape file to write (default: stdout)."),
 ) -> None:
-    """Write a shape file: a config's fused QKV, O, gate+up and down GEMMs
-    (--from-config), or every distinct linear layer of a model (--from-model)."""
+    """Write a shape file of a model's GEMMs.
+
+    A config's fused QKV, O, gate+up and down GEMMs (--from-config), or
+    every distinct linear layer of a model (--from-model)."""
     from tuner.shapes import ShapeFileError, write_shapes_from_config
 
     if (from_config is None) == (from_model is None):
@@ -406,7 +416,9 @@ def report(
     output: Path = typer.Option(..., "-o", "--output", help="Directory to write index.html and its PNGs into."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Write an HTML report: speedups, schedulers, M maps, model against measurement."""
+    """Write an HTML report of the stored results.
+
+    Speedups, schedulers, M maps, and the model against measurement."""
     from tuner.report import write_report
 
     store = _open(db, writer=False)
@@ -431,7 +443,9 @@ def calibrate(
     as_json: bool = typer.Option(False, "--json", help="Print the fit and its scores as JSON."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Fit the analytic model's constants to a device's measured trials and store them."""
+    """Fit the analytic model's constants to measured trials.
+
+    The trials of one device; the fitted constants are stored."""
     from tuner.calibration import calibrate as fit_device, devices, save
     from tuner.model import calibration_path
 
@@ -472,7 +486,9 @@ def trace(
     output: Path = typer.Option(..., "-o", "--output", help="Directory for trace.json and the PNGs."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Run one traced launch (GPU): per-SM timeline, tiles per SM, SM idle time."""
+    """Run one traced launch on the GPU and draw what each SM did.
+
+    A per-SM timeline, tiles per SM and SM idle time."""
     from kernels.space import GemmConfig, InvalidConfig
     from tuner.shapes import parse_key
 
