@@ -292,4 +292,3 @@ def test_the_e2e_check_workload_runs_as_often_as_a_check_asks(monkeypatch):
     with torch.no_grad():
         for _ in range(3 * (args.prompt + 1)):
             run()
-
