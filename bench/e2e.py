@@ -204,9 +204,9 @@ class _Graphed:
     on every call after: tensor arguments are copied into the captured ones
     (same shapes), the others (a KV cache) must be the very objects of the
     first call, and the output is the captured one, overwritten by the next
-    replay. The first call runs `fn` once untimed on a side stream before
-    capturing: every key's kernel is decided and built then, as capture
-    needs (`tuner.dispatch`)."""
+    replay. The first call runs `fn` `_WARMUPS` times untimed on a side
+    stream before capturing: every key's kernel is decided and built then,
+    as capture needs (`tuner.dispatch`)."""
 
     def __init__(self, fn) -> None:
         self._fn, self._graph = fn, None
@@ -217,8 +217,8 @@ class _Graphed:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                # A compiled step's guards settle only after dynamo has seen a
-                # value change (a cache's counters): it must not recompile in capture.
+                # A compiled decode step recompiled once its cache's counters
+                # had moved, inside the capture (which cannot run the compile).
                 for _ in range(_WARMUPS):
                     self._fn(**self._inputs)
             torch.cuda.current_stream().wait_stream(side)
