@@ -162,6 +162,20 @@ def test_show_family_fits_80_columns_when_piped_and_has_json(tuned, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_family_head_stays_whole_on_its_line_when_piped(tmp_path):
+    # A table's title wraps at the table's width (some 60 columns here), not at 80.
+    shapes = tmp_path / "s.txt"
+    shapes.write_text("512 5120 4096 dtype=bf16 name=a-long-model-name-12b.o_proj\n")
+    db = tmp_path / "t.db"
+    _cli("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "2", "--no-ladder", db=db)
+    [w] = json.loads(_cli("show", "--json", db=db).stdout)
+    head = f"a-long-model-name-12b.o_proj: N=5120 K=4096 bf16>bf16 tn sm90 {w['key']['device']}"
+    assert 60 < len(head) <= 80
+    for args in (("show",), ("show", "--family")):
+        lines = [line.rstrip() for line in _cli(*args, db=db).stdout.splitlines()]
+        assert head in lines, lines
+
+
 class _RowStepBackend:
     """Times as functions of M: cuBLAS grows smoothly; the kernel (128-row tiles)
     steps up at every new tile row, beating cuBLAS at a row's end and losing

@@ -585,9 +585,22 @@ def short_config(config_name: str) -> str:
 def _table(title: str, columns: list[str], left: tuple[str, ...]) -> Table:
     """A table that fits 80 columns and folds rather than cutting a cell to "…"."""
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, title_justify="left")
+    _add_columns(table, columns, left)
+    return table
+
+
+def _family_table(head: str, columns: list[str], left: tuple[str, ...]) -> Table:
+    """A family's table, its head printed above it as a line of its own: a
+    table title wraps at the table's width, which splits a key's device name."""
+    console.print(f"\n{head}", highlight=False)
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
+    _add_columns(table, columns, left)
+    return table
+
+
+def _add_columns(table: Table, columns: list[str], left: tuple[str, ...]) -> None:
     for col in columns:
         table.add_column(col, justify="left" if col in left else "right", overflow="fold")
-    return table
 
 
 def _print_winners(rows, title: str) -> None:
@@ -598,7 +611,8 @@ def _print_winners(rows, title: str) -> None:
         families.setdefault((w.name, _family_id(w.key)), []).append(w)
     console.print(title, highlight=False)
     for (name, _), winners in families.items():
-        table = _table(_family_head(name or "-", winners[0].key), ["M", "winner", "ms", "cuBLAS", "x"], ("winner",))
+        table = _family_table(_family_head(name or "-", winners[0].key), ["M", "winner", "ms", "cuBLAS", "x"],
+                              ("winner",))
         for w in winners:
             table.add_row(str(w.key["m"]), short_config(w.config_name), f"{w.ms:.4f}", f"{w.baseline_ms:.4f}",
                           f"{w.speedup:.2f}")
@@ -663,8 +677,8 @@ def _print_maps(maps: list[FamilyMap], as_json: bool, title: str) -> None:
         return
     console.print(title, highlight=False)
     for fm in maps:
-        table = _table(_family_head(fm.name, fm.family), ["M from", "M to", "choice", "pts", "x min", "x max"],
-                       ("choice",))
+        table = _family_table(_family_head(fm.name, fm.family), ["M from", "M to", "choice", "pts", "x min", "x max"],
+                              ("choice",))
         for r in fm.ranges:
             if r.config is None:
                 # cuBLAS: how close the best kernel came at the points the range covers.
