@@ -303,6 +303,7 @@ def slow(spy, monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _ClockEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(patch_module, "time", clock)
     return spans, sleeps, clock
 
@@ -395,6 +396,31 @@ def test_check_keeps_what_won_on_device_time_for_layers_replayed_from_graphs(slo
     assert not found[32].calls_won and not found[32].kept  # lost on device time: cuBLAS, graphs or not
     assert (net[0].tuner_spans, net[0].tuner_compiled_spans) == (((1, 8),), ((1, 8),))
     assert type(net[2]) is nn.Linear
+
+
+def test_check_holds_the_device_before_each_timed_call_of_a_layer_replayed_from_graphs(slow, monkeypatch):
+    """An eager forward of a small model leaves the GPU waiting on the host,
+    and a call's events would then time its host path, which a replayed
+    forward does not run: for `graphs` layers a device spin goes first."""
+    spans, _, _ = slow
+    spans[(128, 64)] = ((1, 8),)
+    log = []
+    record = _ClockEvent.record
+    monkeypatch.setattr(_ClockEvent, "record", lambda self, stream=None: (log.append("event"), record(self)))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("hold", cycles)))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    for graphs in (False, True):
+        net = _net()
+        patch(net, bias=True, graphs=graphs)
+        log.clear()
+        check(net, lambda: net(x), rounds=4)
+        holds = [i for i, e in enumerate(log) if e != "event"]
+        if not graphs:
+            assert not holds and log
+            continue
+        # Every call of both paths, warm-up round included: (4 + 1) rounds x 2 paths.
+        assert len(holds) == 10 and all(log[i][1] == patch_module._HOLD_CYCLES for i in holds)
+        assert all(log[i + 1:i + 3] == ["event", "event"] for i in holds)  # its start, then its end
 
 
 def test_union_merges_overlapping_and_touching_spans():

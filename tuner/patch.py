@@ -78,6 +78,10 @@ _host_costs: dict[int, tuple[float, float]] = {}
 # `check`: runs of the workload per path (after a warm-up run of each), and
 # how many standard errors above 1.0 a kept kernel's in-model speedup must be.
 _CHECK_ROUNDS, _CHECK_SE = 30, 2.0
+# `check`: GPU clock cycles (about 100 us on an H100) a timed call of a layer
+# replayed from CUDA graphs waits behind, so that the host has enqueued the
+# call before the device reaches its start event (`_CallTimer._start`).
+_HOLD_CYCLES = 200_000
 
 
 class PatchWarning(UserWarning):
@@ -276,7 +280,8 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     faster with the kernels than without them, by two of its own standard
     errors (a forward no faster within its noise is a tie, and a tie goes
     to cuBLAS). Layers patched with `graphs` are replayed from CUDA graphs,
-    where no host time is spent on them: their calls alone decide.
+    where no host time is spent on them: their calls alone decide, each
+    timed behind a spin of the device that lets the host enqueue it first.
     Else the stretch of the interval that M stands for goes to cuBLAS
     (`_trim`). Compiled intervals lose it only where the calls lost, since a
     compiled graph fuses the kernels around the GEMM and does not pay the
@@ -418,6 +423,12 @@ class _CallTimer:
         x = args[0]
         m = x.numel() // layer.in_features
         if _inside(m, self._spans[layer]) and layer._fits(x, x.reshape(-1, layer.in_features)):
+            if layer.tuner_graphs:
+                # An eager forward of a small model leaves the device waiting on
+                # the host, so the events would time the call's host path too,
+                # which a replay does not run: the device is kept busy instead.
+                with torch.cuda.stream(torch.cuda.current_stream(x.device)):
+                    torch.cuda._sleep(_HOLD_CYCLES)
             self._open[layer] = ((*_shape(layer), m), self._event(x.device))
 
     def _stop(self, layer: TunedLinear, args: tuple, output: torch.Tensor) -> None:
