@@ -589,13 +589,17 @@ def _table(title: str, columns: list[str], left: tuple[str, ...]) -> Table:
     return table
 
 
-def _family_table(head: str, columns: list[str], left: tuple[str, ...]) -> Table:
-    """A family's table, its head printed above it as a line of its own: a
-    table title wraps at the table's width, which splits a key's device name."""
-    console.print(f"\n{head}", highlight=False)
+def _family_table(columns: list[str], left: tuple[str, ...]) -> Table:
+    """A family's table, without a title: its head goes above it as a line of
+    its own (`_print_family`), since a title wraps at the table's width."""
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
     _add_columns(table, columns, left)
     return table
+
+
+def _print_family(head: str, table: Table) -> None:
+    console.print(f"\n{head}", highlight=False)
+    console.print(table)
 
 
 def _add_columns(table: Table, columns: list[str], left: tuple[str, ...]) -> None:
@@ -611,12 +615,11 @@ def _print_winners(rows, title: str) -> None:
         families.setdefault((w.name, _family_id(w.key)), []).append(w)
     console.print(title, highlight=False)
     for (name, _), winners in families.items():
-        table = _family_table(_family_head(name or "-", winners[0].key), ["M", "winner", "ms", "cuBLAS", "x"],
-                              ("winner",))
+        table = _family_table(["M", "winner", "ms", "cuBLAS", "x"], ("winner",))
         for w in winners:
             table.add_row(str(w.key["m"]), short_config(w.config_name), f"{w.ms:.4f}", f"{w.baseline_ms:.4f}",
                           f"{w.speedup:.2f}")
-        console.print(table)
+        _print_family(_family_head(name or "-", winners[0].key), table)
 
 
 def _family_head(name: str, f: dict) -> str:
@@ -677,8 +680,7 @@ def _print_maps(maps: list[FamilyMap], as_json: bool, title: str) -> None:
         return
     console.print(title, highlight=False)
     for fm in maps:
-        table = _family_table(_family_head(fm.name, fm.family), ["M from", "M to", "choice", "pts", "x min", "x max"],
-                              ("choice",))
+        table = _family_table(["M from", "M to", "choice", "pts", "x min", "x max"], ("choice",))
         for r in fm.ranges:
             if r.config is None:
                 # cuBLAS: how close the best kernel came at the points the range covers.
@@ -689,7 +691,7 @@ def _print_maps(maps: list[FamilyMap], as_json: bool, title: str) -> None:
             spread = (f"{min(ratios):.2f}", f"{max(ratios):.2f}") if ratios else ("-", "-")
             table.add_row(str(r.m_lo), str(r.m_hi), short_config(r.config_name) + _source_mark(r.source),
                           str(len(r.evidence)), *spread)
-        console.print(table)
+        _print_family(_family_head(fm.name, fm.family), table)
     console.print("x: cuBLAS time / choice time at the measured points (cuBLAS rows: the\n"
                   "best kernel's at the points they cover); * measured online", highlight=False)
 
