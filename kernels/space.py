@@ -87,6 +87,8 @@ SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
 # for stream-K (a cluster's range parks at most its first and its last unit).
 SPLIT_K_COUNTERS = 2
 _SPLIT_K_PARTIALS_ALIGN = 32
+# Activation rows a swap_ab tile holds at most (its tile_n).
+SWAP_AB_MAX_ROWS = 128
 # Largest cluster: 8 CTAs is portable, 16 needs the non-portable attribute.
 MAX_CLUSTER = {"sm90": 4, "sm100": 16}
 
@@ -157,10 +159,9 @@ class GemmConfig:
 
     swap_ab (sm90, B an nn.Linear weight): the kernel computes out.T = W @
     x.T, so that the weight's rows take the MMA's M side (64 a warpgroup)
-    and the activations' rows its N side, 16 or more here (WGMMA takes 8,
-    but an 8-row B tile is one swizzle atom, which the TMA load does not
-    build): a decode step's few rows then fill a 64 x 16 tile instead of
-    padding a 64-row one, and the weight's N rows make many tiles (what
+    and the activations' rows its N side (8 or a multiple of 16, at most
+    SWAP_AB_MAX_ROWS): a decode step's few rows then fill a 64 x 8 tile
+    instead of padding a 64-row one, and the weight's N rows make many tiles (what
     cuBLAS runs at M = 1 on an H100: a 64x8 "tst" kernel). tile_m then
     counts weight rows (N) and tile_n activation rows (M).
     """
@@ -456,8 +457,16 @@ def validate(cfg: GemmConfig) -> None:
     if cfg.arch == "sm90":
         if cfg.tile_n < 64 and not cfg.swap_ab:
             raise InvalidConfig(f"tile_n={cfg.tile_n} is for swap_ab tiles only (activation rows)")
-        if cfg.swap_ab and (cfg.tile_n > 64 or cfg.tile_m not in (64, 128)):
-            raise InvalidConfig("a swap_ab tile is 64 or 128 weight rows by at most 64 activation rows")
+        # Up to 128 activation rows: past 64 a non-swapped tile pads a row
+        # block of 128 as well, but its weight tiles are 64-256 rows of a
+        # long N and stream slower than swap_ab's (H100, M = 57 to 100:
+        # 128x64 swap_ab ran 1.02-1.05x cuBLAS where the non-swapped tiles
+        # of M = 65 to 128 lost). Past 128, a 128-row tile of activations
+        # is the non-swapped kernel's own shape.
+        if cfg.swap_ab and (cfg.tile_n > SWAP_AB_MAX_ROWS or cfg.tile_m not in (64, 128)):
+            raise InvalidConfig(
+                f"a swap_ab tile is 64 or 128 weight rows by at most {SWAP_AB_MAX_ROWS} activation rows"
+            )
         # Activation rows of 24, 40 or 56 (odd numbers of 8-row swizzle
         # atoms on the MMA's N side) crashed on the H100; 8 runs.
         if cfg.swap_ab and cfg.tile_n % 16 and cfg.tile_n != 8:

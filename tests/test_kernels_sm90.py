@@ -84,7 +84,7 @@ OFFLINE = [
     _v(scheduler=SK, tile_m=128, tile_n=256, stages=4, cluster_m=4, dtype_out="fp32"),
     _v(scheduler=STATIC, split_k=2, tile_m=64, tile_n=128, cluster_m=4),
     _v("nn", scheduler=STATIC, consumer=PP, tile_m=64, tile_n=192, stages=6, cluster_n=4),
-    # swap_ab: the weight on the MMA's M side, 16 to 64 activation rows on
+    # swap_ab: the weight on the MMA's M side, 8 to 128 activation rows on
     # its N side, an M-major output (transposed stmatrix), fp32 out too.
     _v(scheduler=SINGLE, tile_m=64, tile_n=16, stages=8, swap_ab=True),
     _v(scheduler=STATIC, tile_m=128, tile_n=32, stages=8, swizzle=4, swap_ab=True, dtype_out="fp32"),
@@ -94,6 +94,10 @@ OFFLINE = [
     _v(scheduler=SINGLE, tile_m=64, tile_n=16, stages=8, split_k=3, swap_ab=True),
     _v(scheduler=STATIC, tile_m=128, tile_n=64, stages=8, split_k=2, cluster_m=2, swap_ab=True, dtype_out="fp32"),
     _v(scheduler=DYN, tile_m=128, tile_n=48, stages=8, split_k=4, swap_ab=True),
+    # ... and with up to 128 activation rows (48- and 32-column epilogue sub-tiles).
+    _v(scheduler=SINGLE, tile_m=128, tile_n=96, stages=6, swap_ab=True),
+    _v(scheduler=STATIC, tile_m=64, tile_n=128, stages=8, cluster_m=2, swap_ab=True, dtype_out="fp32"),
+    _v(scheduler=SINGLE, tile_m=128, tile_n=80, stages=8, split_k=2, swap_ab=True),
     # Widths of an odd number of 8-row atoms: B's TMA box from a one-stage
     # layout, 24- or 8-column epilogue sub-tiles (stmatrix x2, 16-bit out).
     _v(scheduler=SINGLE, tile_m=128, tile_n=168, stages=4, cluster_m=2),
@@ -337,7 +341,7 @@ CLUSTER4_CONFIGS = [
 ]
 
 
-# swap_ab: out.T = W @ x.T, activation rows on the MMA's N side (16 to 64),
+# swap_ab: out.T = W @ x.T, activation rows on the MMA's N side (8 to 128),
 # weight rows on its M side; a single row, rows off every tile multiple,
 # N = 8 (one weight row block mostly out of bounds), K under one k-block.
 SWAP_AB_CONFIGS = [
@@ -356,8 +360,13 @@ SWAP_AB_CONFIGS = [
     GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=8, stages=8, swap_ab=True),
     GemmConfig(scheduler=STATIC, tile_m=128, tile_n=8, stages=8, cluster_m=2, swap_ab=True),
     GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=8, stages=8, split_k=3, swap_ab=True),
+    # 80 to 128 activation rows.
+    GemmConfig(scheduler=SINGLE, tile_m=128, tile_n=80, stages=8, swap_ab=True),
+    GemmConfig(scheduler=STATIC, tile_m=128, tile_n=128, stages=6, swap_ab=True),
+    GemmConfig(scheduler=DYN, tile_m=64, tile_n=96, stages=8, cluster_m=2, swap_ab=True),
+    GemmConfig(scheduler=SINGLE, tile_m=128, tile_n=112, stages=7, split_k=2, swap_ab=True),
 ]
-SWAP_AB_SHAPES = [(1, 5376, 4096), (16, 8192, 5376)] + SHAPES
+SWAP_AB_SHAPES = [(1, 5376, 4096), (16, 8192, 5376), (100, 8192, 5376)] + SHAPES
 SWAP_AB_SPLIT_K_SHAPES = [(1, 5376, 4608), (16, 8192, 5376)] + SPLIT_K_SHAPES
 
 

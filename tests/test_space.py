@@ -32,15 +32,15 @@ def test_sm90_pool_size_and_scheduler_split():
     assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
     # Clusters 1x1, 1x2, 2x1, 2x2, 1x4 and 4x1 (at most 4 CTAs).
     assert {(c.cluster_m, c.cluster_n) for c in configs} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)}
-    # swap_ab: 64 or 128 weight rows by 8, 16, 32, 48 or 64 activation rows,
-    # cooperative, not stream-K, K whole or split.
+    # swap_ab: 64 or 128 weight rows by 8 or a multiple of 16 up to 128
+    # activation rows, cooperative, not stream-K, K whole or split.
     swap = [c for c in configs if c.swap_ab]
-    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in (8, 16, 32, 48, 64)}
+    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in (8, *range(16, 129, 16))}
     assert not any(c.pingpong or c.stream_k for c in swap)
     assert {c.split_k for c in swap} == set(space.knobs("sm90")["split_k"])
     assert min(c.tile_n for c in configs if not c.swap_ab) == 64
     assert len(configs) - len(pingpong) - len(stream_k) - len(swap) == 100620
-    assert len(pingpong) == 37752 and len(stream_k) == 3840 and len(swap) == 54600
+    assert len(pingpong) == 37752 and len(stream_k) == 3840 and len(swap) == 94380
 
 
 @pytest.mark.parametrize(

@@ -54,8 +54,9 @@ WAVE_FIT_SLACK = 0.05
 # L2 traffic (H100, 27B at M = 512: 128x176 fills one wave, and its 1x1
 # trials took 0.224-0.229 ms on down where 2x1 took 0.164).
 NEIGHBOUR_SHAPES = 3
-# Keys of at most this many rows start from swap_ab configs (`swap_seeds`).
-SWAP_SEED_MAX_M = 64
+# Keys of at most this many rows start from swap_ab configs (`swap_seeds`):
+# every M that one swap_ab activation tile holds.
+SWAP_SEED_MAX_M = space.SWAP_AB_MAX_ROWS
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
 MAX_SAMPLES_PER_TRIAL = 20

@@ -19,7 +19,7 @@ mainloop after mainloop and epilogue after epilogue, so that one
 warpgroup's epilogue runs while the other's WGMMAs keep the tensor cores busy.
 
 With swap_ab (B an nn.Linear weight) the kernel runs out.T = W @ x.T: its A
-is the weight, its B the activations, 16 to 64 of their rows a tile on the
+is the weight, its B the activations, 8 to 128 of their rows a tile on the
 MMA's N side, and its output the (N, M) view of `out`, stored M-major
 (transposed stmatrix, TMA). Callers pass a, b and out as for any config.
 
