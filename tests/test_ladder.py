@@ -174,6 +174,15 @@ def test_a_family_head_stays_whole_on_its_line_when_piped(tmp_path):
     for args in (("show",), ("show", "--family")):
         lines = [line.rstrip() for line in _cli(*args, db=db).stdout.splitlines()]
         assert head in lines, lines
+    # Past 80 columns the device goes on a line of its own, both lines whole.
+    longer = "a-longer-model-name-of-size-12b.o_proj"
+    shapes.write_text(f"512 5120 4096 dtype=bf16 name={longer}\n")
+    db = tmp_path / "t2.db"
+    _cli("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "2", "--no-ladder", db=db)
+    for args in (("show",), ("show", "--family")):
+        lines = [line.rstrip() for line in _cli(*args, db=db).stdout.splitlines()]
+        i = lines.index(f"{longer}: N=5120 K=4096 bf16>bf16 tn sm90")
+        assert lines[i + 1] == f"  {w['key']['device']}" and all(len(line) <= 80 for line in lines), lines
 
 
 class _RowStepBackend:

@@ -206,6 +206,18 @@ def test_a_few_row_key_starts_from_swap_ab_seeds(tmp_path):
     assert {c.tile_n for c in swap_seeds(Key("sm90", "dev", Problem(65, 5376, 4096)))} == {80}
     assert swap_seeds(Key("sm90", "dev", Problem(129, 5376, 4096))) == []
     assert swap_seeds(Key("sm100", "dev", Problem(4, 5376, 4096))) == []
+    # Where the weight makes few tiles, the same tiles with K split are
+    # measured too, outside the study's budget: N = 5376 is 42 tiles of 128
+    # weight rows, split 2 ways (3 would fill more SMs but leaves K = 4096
+    # unaligned); 84 tiles of 64 rows split none.
+    (split,) = swap_seeds(key, split=True)
+    assert (split.tile_m, split.tile_n, split.split_k, split.swap_ab) == (128, 8, 2, True)
+    assert split in backend.measured
+    # A weight of 16 tiles (Mistral-NeMo's k and v) splits K 8 ways: 128 CTAs
+    # of the H100's 132; 336 tiles (Gemma 3 27B's gate_up) split none.
+    few = swap_seeds(Key("sm90", "dev", Problem(4, 1024, 5120)), split=True)
+    assert [(c.tile_m, c.split_k) for c in few] == [(64, 8), (128, 8)]
+    assert swap_seeds(Key("sm90", "dev", Problem(4, 43008, 5376)), split=True) == []
 
 
 def test_measured_study_starts_from_model_picks_compiled_ahead(tmp_path):

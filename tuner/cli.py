@@ -623,10 +623,12 @@ def _print_winners(rows, title: str) -> None:
 
 
 def _family_head(name: str, f: dict) -> str:
-    """A family's table title: its name and its key but M."""
+    """A family's table title: its name and its key but M, the device on a
+    line of its own where one line would pass 80 columns (and wrap mid-name)."""
     k = ",".join(map(str, f["group_k"])) if f.get("group_k") else str(f["k"])
-    return (f"{name}: N={f['n']} K={k}" + (f" G={f['groups']}" if f["groups"] > 1 else "")
-            + f" {f['dtype_in']}>{f['dtype_out']} {f['layout']} {f['arch']} {f['device']}")
+    head = (f"{name}: N={f['n']} K={k}" + (f" G={f['groups']}" if f["groups"] > 1 else "")
+            + f" {f['dtype_in']}>{f['dtype_out']} {f['layout']} {f['arch']}")
+    return f"{head} {f['device']}" if len(head) + 1 + len(f["device"]) <= 80 else f"{head}\n  {f['device']}"
 
 
 @dataclass(frozen=True)

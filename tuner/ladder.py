@@ -42,7 +42,7 @@ from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
 from tuner.measure import Backend
 from tuner.search import (
-    Budget, Outcome, compile_ahead, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
+    Budget, Outcome, compile_ahead, drawable, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
 )
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
@@ -130,10 +130,11 @@ def tune_family(
         key = template.with_m(m)
         seeds = _neighbour_configs(outcomes, m)
         if backend.name != "model":
-            seeds += [c for c in model_picks(key, RUNG_MODEL_PICKS) + swap_seeds(key) if c not in seeds]
+            picks = model_picks(key, RUNG_MODEL_PICKS) + swap_seeds(key) + swap_seeds(key, split=True)
+            seeds += [c for c in picks if c not in seeds]
         seeds = [c for c in seeds if key.problem.runs(c)]
         return tune_key(
-            key, backend, store, Budget(trials=max(1, len(seeds)), seconds=budget.seconds),
+            key, backend, store, Budget(trials=max(1, sum(map(drawable, seeds))), seconds=budget.seconds),
             name=name, force=force, on_trial=on_rung and on_rung(key, False), seeds=seeds, explore=False,
             variants=variants,
         )

@@ -152,9 +152,13 @@ def tune_key(
             first += [c for c in _warm_start(key, store, backend.arch) if c not in first]
         if explore and backend.name != "model":
             first += [c for c in model_picks(key) if c not in first]
-        for cfg in first:
+        for cfg in filter(drawable, first):
             study.enqueue_trial(_params(cfg), skip_if_exists=True)
         compile_ahead(backend, first)
+        # Seeds the sampler cannot draw are measured as they are, outside the
+        # budget, and compete for the win with the study's trials.
+        for cfg in itertools.filterfalse(drawable, first):
+            measure(cfg)
 
     def objective(trial: optuna.Trial) -> float:
         try:
@@ -439,6 +443,13 @@ def _params(cfg: GemmConfig) -> dict:
     return params
 
 
+def drawable(cfg: GemmConfig) -> bool:
+    """Whether the study's sampler can draw `cfg`: it draws no K split for
+    swap_ab tiles (letting it moved the model's calibration off, as
+    `tests/test_calibration.py` measures), though the space builds them."""
+    return not (cfg.swap_ab and cfg.split_k > 1)
+
+
 def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     """A default per scheduler, the tile that best fills whole waves of the
     key, the swap_ab seeds of a few-row key, then the winners of the nearest
@@ -446,7 +457,7 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     p = key.problem
     candidates = list(space.defaults(arch).values())
     candidates += _wave_fit_configs(key)
-    candidates += swap_seeds(key)
+    candidates += swap_seeds(key) + swap_seeds(key, split=True)
     near = store.winners(
         limit=10_000, arch=key.arch, device=key.device, dtype_in=p.dtype_in,
         dtype_out=p.dtype_out, layout=p.layout,
@@ -469,13 +480,22 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     return out
 
 
-def swap_seeds(key: Key) -> list[GemmConfig]:
+def swap_seeds(key: Key, split: bool = False) -> list[GemmConfig]:
     """For a key of at most SWAP_SEED_MAX_M rows: single-tile swap_ab configs
     of 64 and 128 weight rows by the narrowest swap_ab activation tile that
     holds M, at their deepest pipeline. The model prices them above split-K
     there, which the H100 reversed (27B qkv at M = 1, one tuning run: 64x16 swap_ab
     0.0325 ms, cuBLAS 0.0317, the model's split-K picks 0.040-0.044), so
-    they are measured whatever the model says."""
+    they are measured whatever the model says.
+
+    With `split`, the same tiles with K split as many ways as fills the SMs
+    without a second wave, where the weight's rows make under half as many
+    tiles as the device has SMs: a few-row GEMM streams its weight, and an
+    SM left without a tile streams nothing (Mistral-NeMo's k and v, N =
+    1024: 16 tiles of 64 rows; cuBLAS ahead of every whole-K tile at M = 1
+    to 37 on the H100)."""
+    from tuner.model import DEVICES
+
     p = key.problem
     if p.m > SWAP_SEED_MAX_M:
         return []
@@ -485,9 +505,17 @@ def swap_seeds(key: Key) -> list[GemmConfig]:
         widths = [n for m, n in tiles if m == tile_m and n >= p.m]
         if not widths:
             continue
-        cfg = _deepest(dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=min(widths), swap_ab=True))
-        if cfg is not None and p.runs(cfg):
-            out.append(cfg)
+        weight_tiles = -(-p.n // tile_m)
+        if not split:
+            splits = [1]
+        elif 2 * weight_tiles <= DEVICES[key.arch].sms:
+            fit = DEVICES[key.arch].sms // weight_tiles
+            splits = sorted((s for s in space.knobs(key.arch)["split_k"] if 1 < s <= fit), reverse=True)
+        else:
+            continue
+        fields = dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=min(widths), swap_ab=True)
+        runnable = [c for c in (_deepest(fields | {"split_k": s}) for s in splits) if c is not None and p.runs(c)]
+        out += runnable[:1]
     return out
 
 
