@@ -91,7 +91,7 @@ def test_accepted(fields):
         (dict(tile_n=40), "swap_ab tiles only"),
         (dict(swap_ab=True, tile_n=12), "tile_n=12"),
         (dict(swap_ab=True, tile_n=24), "8 or a multiple of 16"),
-        (dict(swap_ab=True, tile_n=128), "at most 64 activation rows"),
+        (dict(swap_ab=True, tile_n=144), "at most 128 activation rows"),
         (dict(swap_ab=True, tile_m=256, tile_n=32, stages=3), "64 or 128 weight rows"),
         (dict(swap_ab=True, tile_n=32, scheduler="stream_k"), "not stream-K"),
         (dict(swap_ab=True, tile_n=32, consumer="pingpong"), "are cooperative"),
