@@ -54,6 +54,8 @@ def spy(monkeypatch):
     monkeypatch.setattr(dispatch, "gemm", gemm)
     monkeypatch.setattr(patch_module, "_host_costs", {})
     monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (0.0, 0.0))
+    monkeypatch.setattr(patch_module, "_gather_costs", {})
+    monkeypatch.setattr(patch_module, "_measure_gather_cost", lambda device, dtype: 0.0)
     return calls, spans
 
 
@@ -127,7 +129,7 @@ def test_only_m_inside_the_kernel_spans_goes_to_gemm_and_outputs_match(spy):
     assert type(net[0]) is nn.Linear  # the context restored it
 
 
-def test_autograd_other_input_dtypes_and_strided_rows_run_f_linear(spy):
+def test_autograd_runs_f_linear(spy):
     calls, spans = spy
     net = _net()
     spans[(128, 64)] = ((1, 1 << 20),)
@@ -136,13 +138,36 @@ def test_autograd_other_input_dtypes_and_strided_rows_run_f_linear(spy):
     net(x).float().sum().backward()  # grad enabled and weights that need it: F.linear
     assert calls == [] and net[0].weight.grad is not None
     with torch.no_grad():
-        last = torch.randn(4, 3, 64, dtype=torch.bfloat16)[:, -1]  # rows 3 x 64 apart: the logits' input
-        unpatch(net)
-        want = net(last)
-        patch(net, bias=True)
-        assert torch.equal(net(last), want) and calls == []
         net(x)
     assert calls == [(4, 128)]
+
+
+def test_strided_rows_are_gathered_only_where_the_saving_covers_the_copy(spy, monkeypatch):
+    calls, spans = spy
+    monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (10.0, 30.0))
+    monkeypatch.setattr(patch_module, "_measure_gather_cost", lambda device, dtype: 15.0)
+    spans[(128, 64)] = ((1, 3, 40.0), (4, 8, 50.0), (9, 16, 44.0), (17, 1 << 20, 1e6))
+    net = _net()
+    patch(net, bias=True)
+    # The slower host cost (compiled, 30 us) and the copy (15 us) are covered from 45 us.
+    assert net[0].tuner_gather == ((4, 8), (17, 1 << 20))
+    with torch.no_grad():
+        seqs = torch.randn(20, 3, 64, dtype=torch.bfloat16)
+        for m in (2, 6, 12):
+            last = seqs[:m, -1]  # rows 3 x 64 apart: the logits' input
+            unpatch(net)
+            want = net(last)
+            patch(net, bias=True)
+            torch.testing.assert_close(net(last), want, rtol=2e-2, atol=2e-2)
+        assert calls == [(6, 128)]  # M = 2 and 12 save too little to gather
+        big = torch.randn(4 * 1024, 3, 64, dtype=torch.bfloat16)[:, -1]  # 512 KiB of rows: too big a copy
+        assert big.numel() * big.element_size() > patch_module._GATHER_MAX_BYTES
+        net(big)
+        assert calls == [(6, 128)]
+        net(seqs[:, -1].contiguous())  # contiguous rows never need the copy
+    assert calls == [(6, 128), (20, 128)]
+    unpatch(net)
+    assert "tuner_gather" not in vars(net[0])
 
 
 def test_layers_with_a_bias_are_left_to_cublas_unless_asked(spy):
@@ -557,6 +582,21 @@ def test_patched_model_matches_unpatched_and_runs_the_kernels(tiny):
             assert torch.equal(tiny(ids).logits, got)
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     assert dispatch.explain(x, tiny.model.layers[0].self_attn.q_proj.weight.t()).path == "kernel"
+    assert _rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_the_logits_of_the_last_positions_gather_their_strided_rows(tiny):
+    ids = torch.randint(0, TINY["vocab_size"], (4, 64), device="cuda")
+    head = tiny.lm_head
+    with torch.inference_mode():
+        want = tiny(ids, logits_to_keep=1).logits
+        with warnings.catch_warnings(), patched(tiny):
+            _strict()
+            assert head.tuner_gather == head.tuner_spans
+            got = tiny(ids, logits_to_keep=1).logits
+            # lm_head's input, the last of every 64 positions, took the kernel at M = 4.
+            assert list(head.tuner_launchers) == [4]
     assert _rel_err(got, want) < 2e-2
 
 

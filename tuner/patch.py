@@ -45,11 +45,14 @@ The maps timed each GEMM alone. `check(model, workload)` times the patched
 layers inside the model's own forward, kernel against `F.linear`, and takes
 back the eager intervals where the kernel did not win there (its doc).
 
-Calls that need autograd (grad enabled and a weight that requires grad),
-inputs of another dtype than the weight (autocast) and inputs whose rows are
-strided (the last position of each sequence, taken for the logits) run
-`F.linear`: `gemm` is forward only, takes one input dtype, and its maps
-measured contiguous operands.
+Calls that need autograd (grad enabled and a weight that requires grad) and
+inputs of another dtype than the weight (autocast) run `F.linear`: `gemm` is
+forward only and takes one input dtype. Inputs whose rows are strided (the
+last position of each sequence, taken for the logits) are gathered into a
+contiguous copy first, as the maps measured contiguous operands, but only
+where the kernel saves more than that copy costs (measured at patch time, for
+the largest copy taken: `_GATHER_MAX_BYTES`); elsewhere they run `F.linear`,
+which reads strided rows as they are.
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ _ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
 _COST_CALLS, _COST_BATCHES = 20, 15
 # Per CUDA device: (eager, compiled) host us per call the kernel path adds.
 _host_costs: dict[int, tuple[float, float]] = {}
+# Strided rows are gathered for the kernel path up to this size (16 rows of
+# 8192: the logits' input of a batch of 16), so that one measured copy of
+# this size bounds what a gather costs.
+_GATHER_MAX_BYTES = 256 << 10
+# Per (CUDA device, dtype): us a gather of _GATHER_MAX_BYTES costs a call.
+_gather_costs: dict[tuple[int, torch.dtype], float] = {}
 # `check`: runs of the workload per path (after a warm-up run of each), and
 # how many standard errors above 1.0 a kept kernel's in-model speedup must be.
 _CHECK_ROUNDS, _CHECK_SE = 30, 2.0
@@ -103,6 +112,9 @@ class TunedLinear(nn.Linear):
     _tuner_bounds: tuple[int, int] = (1, 0)
     _tuner_spans: tuple[tuple[int, int], ...] = ()
     _tuner_compiled_spans: tuple[tuple[int, int], ...] = ()
+    # M intervals (within the others) where a strided input is gathered for
+    # the kernel: the kernel saves more there than the host cost and the copy.
+    tuner_gather: tuple[tuple[int, int], ...] = ()
 
     @property
     def tuner_spans(self) -> tuple[tuple[int, int], ...]:
@@ -140,14 +152,16 @@ class TunedLinear(nn.Linear):
     def _fits(self, input: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether the kernel path may take `input` (`x`: its rows): a
         strided x (the last position of every sequence, for the logits)
-        would need a copy first, and the maps measured contiguous operands."""
+        only where the kernel's saving covers gathering it (`tuner_gather`)."""
         return (input.dtype == self.weight.dtype and not (torch.is_grad_enabled() and self.weight.requires_grad)
-                and x.is_contiguous())
+                and (x.is_contiguous() or x.stride(-1) == 1 and x.numel() * x.element_size() <= _GATHER_MAX_BYTES
+                     and _inside(x.shape[0], self.tuner_gather)))
 
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
         x, wt = input.reshape(-1, self.in_features), self.weight.t()
         if not self._fits(input, x):
             return F.linear(input, self.weight, self.bias)
+        x = x.contiguous()
         if torch.compiler.is_compiling():
             y = dispatch.gemm(x, wt)
         else:
@@ -211,6 +225,8 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False) -> nn.M
         for layer in on_device:
             layer.tuner_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= eager)
             layer.tuner_compiled_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= compiled)
+            gather = max(eager, compiled) + _gather_cost(device, layer.weight.dtype, spans_of[layer])
+            layer.tuner_gather = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= gather)
             if not layer.tuner_spans and not layer.tuner_compiled_spans:
                 _restore(layer)
     untuned = {}
@@ -503,7 +519,8 @@ def _shape(layer: nn.Linear) -> tuple[int, int, torch.dtype]:
 def _restore(layer: nn.Module) -> None:
     if type(layer) is TunedLinear:
         layer.__class__ = nn.Linear
-        for name in ("_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "tuner_launchers", "tuner_graphs"):
+        for name in ("_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "tuner_launchers", "tuner_graphs",
+                     "tuner_gather"):
             layer.__dict__.pop(name, None)
 
 
@@ -518,6 +535,34 @@ def _costs(device: int, layers: list[TunedLinear], spans_of: dict) -> tuple[floa
         layer = min(layers, key=lambda m: m.weight.numel())
         _host_costs[device] = _measure_host_costs(layer, spans_of[layer][0][0])
     return _host_costs[device]
+
+
+def _gather_cost(device: int, dtype: torch.dtype, spans: tuple) -> float:
+    """What gathering strided rows costs a call on `device` (`_measure_gather_cost`),
+    measured once; nothing to measure where every saving is unknown (online)."""
+    if not any(math.isfinite(saving) for _, _, saving in spans):
+        return 0.0
+    if (device, dtype) not in _gather_costs:
+        _gather_costs[device, dtype] = _measure_gather_cost(device, dtype)
+    return _gather_costs[device, dtype]
+
+
+def _measure_gather_cost(device: int, dtype: torch.dtype) -> float:
+    """us per call of copying `_GATHER_MAX_BYTES` of strided rows into a
+    contiguous tensor on `device`: the fastest of batches of copies, synced
+    at both ends of each, so the host's launch or the device's copy,
+    whichever is slower, counts."""
+    k = 8192
+    rows = torch.empty(_GATHER_MAX_BYTES // (k * dtype.itemsize), 2, k, device=f"cuda:{device}", dtype=dtype)[:, -1]
+    best = math.inf
+    for _ in range(_COST_BATCHES):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(_COST_CALLS):
+            rows.contiguous()
+        torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - start) / _COST_CALLS)
+    return 1e6 * best
 
 
 def _measure_host_costs(layer: TunedLinear, m: int) -> tuple[float, float]:

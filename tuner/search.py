@@ -54,6 +54,13 @@ WAVE_FIT_SLACK = 0.05
 # L2 traffic (H100, 27B at M = 512: 128x176 fills one wave, and its 1x1
 # trials took 0.224-0.229 ms on down where 2x1 took 0.164).
 NEIGHBOUR_SHAPES = 3
+# The final interleaved round times the fastest config of this many shapes
+# (tile, swap, K split) beside each scheduler's fastest: one-by-one trials
+# drift with the GPU's power state (H100 at its 700 W cap, one session:
+# cuBLAS took 2.554 ms alone after an idle spell, 2.684 interleaved with
+# our kernels, as sustained GEMMs held the clock at 1.2-1.5 GHz), so the
+# shape that led them need not lead the round.
+FINAL_SHAPES = 4
 # Keys of at most this many rows start from swap_ab configs (`swap_seeds`):
 # every M that one swap_ab activation tile holds.
 SWAP_SEED_MAX_M = space.SWAP_AB_MAX_ROWS
@@ -215,7 +222,8 @@ def _pick_winner(
 
     With `variants`, the best config's neighbours (`neighbour_variants`) are
     measured first. Then the best config of each scheduler, the best config's cluster
-    neighbours, the fastest of them under the other L2 hint
+    neighbours, the best config of each of the `FINAL_SHAPES` fastest shapes,
+    the fastest of them under the other L2 hint
     (`hint_variant`) and cuBLAS are re-measured round robin, so that clock
     and thermal drift between trials cannot decide the winner and the
     per-scheduler times compare like with like. That round is timed as the
@@ -249,7 +257,9 @@ def _pick_winner(
     for t in sorted((t for t in measured.values() if t.ok), key=lambda t: t.ms):
         best_rows.setdefault(t.scheduler, t)
     finalists = [GemmConfig.from_dict(t.config) if t.config else None for t in best_rows.values()]
-    finalists += [c for c in clusters if c not in finalists]
+    ranked = sorted((t for t in measured.values() if t.ok and t.config), key=lambda t: t.ms)
+    shapes = _shape_leaders([GemmConfig.from_dict(t.config) for t in ranked], FINAL_SHAPES, split=True)
+    finalists += [c for c in [*clusters, *shapes] if c not in finalists]
     # The L2 hint shows only in the cold protocol: the fastest kernel runs
     # the round under both hints.
     fastest = min((c for c in finalists if c), key=lambda c: measured[c.name()].ms, default=None)
@@ -303,13 +313,15 @@ def cluster_variants(cfg: GemmConfig) -> list[GemmConfig]:
     return out
 
 
-def _shape_leaders(ranked: list[GemmConfig], count: int, also: tuple[tuple[int, int, bool], ...] = ()) -> list[GemmConfig]:
+def _shape_leaders(
+    ranked: list[GemmConfig], count: int, also: tuple[tuple[int, int, bool], ...] = (), *, split: bool = False,
+) -> list[GemmConfig]:
     """The fastest config of each of the `count` fastest tile shapes (tile_m,
-    tile_n, swap_ab), then those of the shapes `also` not among them, from
-    configs ranked fastest first."""
-    leaders: dict[tuple[int, int, bool], GemmConfig] = {}
+    tile_n, swap_ab; and split_k, with `split`), then those of the shapes
+    `also` not among them, from configs ranked fastest first."""
+    leaders: dict[tuple, GemmConfig] = {}
     for cfg in ranked:
-        shape = (cfg.tile_m, cfg.tile_n, cfg.swap_ab)
+        shape = (cfg.tile_m, cfg.tile_n, cfg.swap_ab) + ((cfg.split_k,) if split else ())
         if len(leaders) < count or shape in also:
             leaders.setdefault(shape, cfg)
     return list(leaders.values())
