@@ -249,22 +249,26 @@ def _swap(models: dict) -> None:
         twin = fresh.get_submodule(name)
         if hasattr(layer, "tuner_spans"):
             twin.tuner_spans, twin.tuner_compiled_spans = layer.tuner_spans, layer.tuner_compiled_spans
+            twin.tuner_gather = layer.tuner_gather
         else:
             unpatch(twin)
     unpatch(done)
     models["unpatched"], models["patched"] = done, fresh
 
 
-def _kernel_calls(spans: dict[str, tuple], linears: int, m_layers: int, m_head: int | None) -> dict:
+def _kernel_calls(layers: dict[str, torch.nn.Linear], linears: int, m_layers: int, m_head: int, head_strided: bool) -> dict:
     """Per mode, (linear calls of one forward that run a tuned kernel: their
-    M inside the layer's intervals for that mode, all linear calls); `spans`
-    holds the patched layers' (eager, compiled) intervals; `m_head` None: the
-    logits' input rows are strided (F.linear)."""
-    ms = {name: m_head if name.endswith("lm_head") else m_layers for name in spans}
-
+    M inside the patched layer's intervals for that mode, all linear calls);
+    with `head_strided`, the logits' input rows are strided, and lm_head
+    takes the kernel only where it gathers them too."""
     def hits(mode: int) -> int:
-        return sum(ms[name] is not None and any(lo <= ms[name] <= hi for lo, hi in s[mode])
-                   for name, s in spans.items())
+        runs = 0
+        for name, layer in layers.items():
+            m = m_head if name.endswith("lm_head") else m_layers
+            spans = (layer.tuner_spans, layer.tuner_compiled_spans)[mode]
+            runs += any(lo <= m <= hi for lo, hi in spans) and not (
+                head_strided and name.endswith("lm_head") and not layer.tuner_gathers(m))
+        return runs
     return {"eager": (hits(0), linears), "compiled": (hits(1), linears)}
 
 
@@ -284,14 +288,15 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
               f"forwards x{c.forward_speedup or math.nan:.3f} (2 se {2 * (c.forward_log_se or math.nan):.3f}): "
               f"{'kept' if c.kept else 'compiled only' if c.calls_won else 'to cuBLAS'}", file=sys.stderr)
     models = {"unpatched": model, "patched": tuned}
-    spans = {name: (m.tuner_spans, m.tuner_compiled_spans) for name, m in tuned.named_modules()
-             if hasattr(m, "tuner_spans")}
+    patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
     record = {"model": name, "layers": args.layers, "graphs": args.graphs, "patch_warnings": warned,
               "families": families, "check": [dataclasses.asdict(c) for c in checked],
-              "kernel_spans": {name: {"eager": [list(span) for span in s[0]], "compiled": [list(span) for span in s[1]]}
-                               for name, s in spans.items()},
+              "kernel_spans": {name: {kind: [list(span) for span in getattr(m, f"tuner_{spans}")]
+                                      for kind, spans in (("eager", "spans"), ("compiled", "compiled_spans"),
+                                                          ("gather", "gather"))}
+                               for name, m in patched_layers.items()},
               "host_cost_us": dict(zip(_MODES, host_costs() or ())),
               "prefill": [], "decode": []}
     vocab = model.config.get_text_config().vocab_size
@@ -300,8 +305,8 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
         for batch, seq in args.prefill:
             ids = torch.randint(0, vocab, (batch, seq), device=DEVICE, generator=gen)
             # The logits' input of a batch of sequences is their last rows: strided.
-            head = batch if batch == 1 else None
-            case = {"batch": batch, "seq": seq, "kernel_calls": _kernel_calls(spans, linears, batch * seq, head)}
+            case = {"batch": batch, "seq": seq,
+                    "kernel_calls": _kernel_calls(patched_layers, linears, batch * seq, batch, head_strided=batch > 1)}
             def run(fn, ids=ids):
                 return fn(input_ids=ids, logits_to_keep=1, use_cache=False).logits
 
@@ -325,7 +330,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
             checkpoint(record)
         for batch in args.decode:
             record["decode"].append(_decode_case(models, batch, vocab, gen, args))
-            record["decode"][-1]["kernel_calls"] = _kernel_calls(spans, linears, batch, batch)
+            record["decode"][-1]["kernel_calls"] = _kernel_calls(patched_layers, linears, batch, batch, head_strided=False)
             _report(name, "decode", record["decode"][-1])
             checkpoint(record)
     del model, tuned, models

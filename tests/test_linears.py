@@ -292,3 +292,19 @@ def test_the_e2e_check_workload_runs_as_often_as_a_check_asks(monkeypatch):
     with torch.no_grad():
         for _ in range(3 * (args.prompt + 1)):
             run()
+
+
+def test_the_e2e_counts_a_strided_lm_head_call_only_where_it_is_gathered():
+    from types import SimpleNamespace
+
+    from bench.e2e import _kernel_calls
+
+    def layer(spans, gathered):
+        return SimpleNamespace(tuner_spans=spans, tuner_compiled_spans=spans, tuner_gathers=gathered.__contains__)
+
+    layers = {"model.layers.0.mlp.down_proj": layer(((1, 8),), set()), "lm_head": layer(((1, 8),), {4})}
+    assert _kernel_calls(layers, 3, 4, 4, head_strided=False)["eager"] == (2, 3)
+    assert _kernel_calls(layers, 3, 4, 4, head_strided=True)["eager"] == (2, 3)
+    # Six strided rows are not gathered: lm_head runs F.linear.
+    assert _kernel_calls(layers, 3, 6, 6, head_strided=True) == {"eager": (1, 3), "compiled": (1, 3)}
+    assert _kernel_calls(layers, 3, 6, 6, head_strided=False)["compiled"] == (2, 3)

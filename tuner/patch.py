@@ -154,8 +154,11 @@ class TunedLinear(nn.Linear):
         strided x (the last position of every sequence, for the logits)
         only where the kernel's saving covers gathering it (`tuner_gather`)."""
         return (input.dtype == self.weight.dtype and not (torch.is_grad_enabled() and self.weight.requires_grad)
-                and (x.is_contiguous() or x.stride(-1) == 1 and x.numel() * x.element_size() <= _GATHER_MAX_BYTES
-                     and _inside(x.shape[0], self.tuner_gather)))
+                and (x.is_contiguous() or x.stride(-1) == 1 and self.tuner_gathers(x.shape[0])))
+
+    def tuner_gathers(self, m: int) -> bool:
+        """Whether an input of `m` strided rows is gathered for the kernel path."""
+        return m * self.in_features * self.weight.element_size() <= _GATHER_MAX_BYTES and _inside(m, self.tuner_gather)
 
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
         x, wt = input.reshape(-1, self.in_features), self.weight.t()
