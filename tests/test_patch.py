@@ -215,6 +215,20 @@ def test_a_kernel_launch_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypa
     assert torch.equal(first, again)
 
 
+def test_traced_calls_take_the_compiled_spans_and_eager_calls_the_eager_ones(spy):
+    calls, spans = spy
+    net = _net()
+    spans[(128, 64)] = ((1, 16),)
+    patch(net, bias=True)
+    net[0].tuner_spans = ()  # as `check` leaves a layer whose forwards did not win
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        net(x)
+        assert calls == []
+        torch.compile(net[0], backend="eager", fullgraph=True)(x)
+    assert calls == [(4, 128)]
+
+
 def test_spans_are_kept_only_where_the_saving_covers_the_host_cost(spy, monkeypatch):
     calls, spans = spy
     monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (10.0, 30.0))

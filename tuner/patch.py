@@ -73,6 +73,9 @@ from tuner import dispatch
 from tuner.measure import paired_speedup
 
 _DTYPES = (torch.bfloat16, torch.float16)
+# Looked up once: every patched call asks it (TorchDynamo knows the function
+# itself, under any name).
+_compiling = torch.compiler.is_compiling
 _ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
 # Host cost measurement: calls per timed batch, batches (the fastest counts).
 _COST_CALLS, _COST_BATCHES = 20, 15
@@ -145,7 +148,7 @@ class TunedLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         lo, hi = self._tuner_bounds
         m = input.numel() // self.in_features
-        if lo <= m <= hi and _inside(m, self.tuner_compiled_spans if torch.compiler.is_compiling() else self.tuner_spans):
+        if lo <= m <= hi and _inside(m, self._tuner_compiled_spans if _compiling() else self._tuner_spans):
             return self._tuned(input)
         return F.linear(input, self.weight, self.bias)
 
