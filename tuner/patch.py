@@ -168,7 +168,7 @@ class TunedLinear(nn.Linear):
         if not self._fits(input, x):
             return F.linear(input, self.weight, self.bias)
         x = x.contiguous()
-        if torch.compiler.is_compiling():
+        if _compiling():
             y = dispatch.gemm(x, wt)
         else:
             launch = self.tuner_launchers.get(x.shape[0])

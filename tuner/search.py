@@ -58,7 +58,7 @@ NEIGHBOUR_SHAPES = 3
 # (tile, swap, K split) beside each scheduler's fastest: one-by-one trials
 # drift with the GPU's power state (H100 at its 700 W cap, one session:
 # cuBLAS took 2.554 ms alone after an idle spell, 2.684 interleaved with
-# our kernels, as sustained GEMMs held the clock at 1.2-1.5 GHz), so the
+# our kernels, as sustained GEMMs held the clock at 1.2-1.7 GHz), so the
 # shape that led them need not lead the round.
 FINAL_SHAPES = 4
 # Keys of at most this many rows start from swap_ab configs (`swap_seeds`):
