@@ -94,6 +94,23 @@ def test_a_layer_turns_calls_away_by_bounds_that_follow_its_intervals(spy):
     assert not {"_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "tuner_launchers"} & set(vars(layer))
 
 
+def test_a_call_outside_the_intervals_is_the_plain_linear_of_the_layers_current_weight(spy):
+    calls, spans = spy
+    spans[(128, 64)] = ((4, 8),)
+    net = _net()
+    patch(net, bias=True)
+    layer = net[0]
+    layer.weight = nn.Parameter(torch.randn(128, 64, dtype=torch.bfloat16))  # reassigned after patching
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
+        assert torch.equal(torch.compile(layer, backend="eager", fullgraph=True)(x), want)
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            layer(torch.randn(2, 128, dtype=torch.bfloat16))  # numel / 64 = 4: inside, but the wrong width
+    assert calls == []
+
+
 def test_patch_swaps_only_plain_linears_and_unpatch_restores_them(spy):
     _, spans = spy
     spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),), (32, 32): ((1, 8),)})

@@ -30,7 +30,8 @@ kernel for it, and the maps measured the product alone.
 
 A `TunedLinear` call whose M (rows of the flattened input) lies outside its
 intervals (the eager or the compiled set) runs `F.linear` directly, as the
-unpatched layer does, after a tuple test; inside them it goes to `gemm`
+unpatched layer does, after one comparison of the input's size, and costs
+the host no more than `nn.Linear`'s own call (`forward`); inside them it goes to `gemm`
 (which still falls back to cuBLAS where it must) and the bias is added
 after. Once `gemm` has chosen a kernel for an M, the layer keeps its launch
 and calls it directly, skipping every check but the input's alignment (a
@@ -109,9 +110,10 @@ class TunedLinear(nn.Linear):
     # Patched for forwards replayed from CUDA graphs (`patch(graphs=True)`):
     # no host cost to cover, and `check` keeps what won on device time.
     tuner_graphs: bool = False
-    # The least and largest M of both kinds of interval: most calls fall
-    # outside, and in a forward that waits on the host every call's Python
-    # counts (bench.patch_overhead), so one comparison turns them away.
+    # The least and largest M of both kinds of interval, times in_features
+    # (bounds on the input's numel): most calls fall outside, and in a forward
+    # that waits on the host every call's Python counts
+    # (bench.patch_overhead), so one comparison turns them away.
     _tuner_bounds: tuple[int, int] = (1, 0)
     _tuner_spans: tuple[tuple[int, int], ...] = ()
     _tuner_compiled_spans: tuple[tuple[int, int], ...] = ()
@@ -143,20 +145,28 @@ class TunedLinear(nn.Linear):
 
     def _bound(self) -> None:
         every = self._tuner_spans + self._tuner_compiled_spans
-        self._tuner_bounds = (min(lo for lo, _ in every), max(hi for _, hi in every)) if every else (1, 0)
+        k = self.in_features
+        self._tuner_bounds = (min(lo for lo, _ in every) * k, max(hi for _, hi in every) * k) if every else (1, 0)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         lo, hi = self._tuner_bounds
-        m = input.numel() // self.in_features
-        if lo <= m <= hi and _inside(m, self._tuner_compiled_spans if _compiling() else self._tuner_spans):
+        n = input.numel()
+        if lo <= n <= hi and _inside(n // self.in_features,
+                                     self._tuner_compiled_spans if _compiling() else self._tuner_spans):
             return self._tuned(input)
-        return F.linear(input, self.weight, self.bias)
+        # `self.weight` is found by nn.Module.__getattr__ after the instance
+        # lookup fails: reading the parameters' dict skips that, and makes a
+        # call that runs cuBLAS cheaper on the host than nn.Linear's own,
+        # which pays for the interval test above (bench.patch_overhead).
+        p = self._parameters
+        return F.linear(input, p["weight"], p["bias"])
 
     def _fits(self, input: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether the kernel path may take `input` (`x`: its rows): a
         strided x (the last position of every sequence, for the logits)
         only where the kernel's saving covers gathering it (`tuner_gather`)."""
-        return (input.dtype == self.weight.dtype and not (torch.is_grad_enabled() and self.weight.requires_grad)
+        w = self._parameters["weight"]
+        return (input.dtype == w.dtype and not (torch.is_grad_enabled() and w.requires_grad)
                 and (x.is_contiguous() or x.stride(-1) == 1 and self.tuner_gathers(x.shape[0])))
 
     def tuner_gathers(self, m: int) -> bool:
@@ -164,9 +174,11 @@ class TunedLinear(nn.Linear):
         return m * self.in_features * self.weight.element_size() <= _GATHER_MAX_BYTES and _inside(m, self.tuner_gather)
 
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
-        x, wt = input.reshape(-1, self.in_features), self.weight.t()
-        if not self._fits(input, x):
-            return F.linear(input, self.weight, self.bias)
+        w, b = self._parameters["weight"], self._parameters["bias"]  # as in forward
+        x = input.reshape(-1, self.in_features) if input.shape[-1] == self.in_features else None
+        if x is None or not self._fits(input, x):  # (F.linear names a wrong input width)
+            return F.linear(input, w, b)
+        wt = w.t()
         x = x.contiguous()
         if _compiling():
             y = dispatch.gemm(x, wt)
@@ -179,8 +191,8 @@ class TunedLinear(nn.Linear):
                 launch = dispatch.launcher(x, wt)
                 if launch is not None:
                     self.tuner_launchers[x.shape[0]] = launch
-        if self.bias is not None:
-            y = y + self.bias
+        if b is not None:
+            y = y + b
         return y.view(*input.shape[:-1], self.out_features)
 
 
