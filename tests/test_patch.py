@@ -97,9 +97,7 @@ def test_a_layer_turns_calls_away_by_bounds_that_follow_its_intervals(spy):
 def test_a_call_outside_the_intervals_is_the_plain_linear_of_the_layers_current_weight(spy):
     calls, spans = spy
     spans[(128, 64)] = ((4, 8),)
-    net = _net()
-    patch(net, bias=True)
-    layer = net[0]
+    layer = patch(_net(), bias=True)[0]
     layer.weight = nn.Parameter(torch.randn(128, 64, dtype=torch.bfloat16))  # reassigned after patching
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x, layer.weight, layer.bias)
