@@ -4,11 +4,14 @@ what a patched layer changes where no kernel of ours runs.
     python -m bench.decode_step DB [MODEL] [BATCH]     # default llama-3.1-8b, 1
 
 The model (`transformers`, shipped config, two decoder layers, random bf16
-weights) in four more copies: `patched` (`tuner.patch` on DB, as a user
-runs it, no `check`), `nowhere` (patched, every layer's intervals moved
-where no call reaches), `eagerless` (patched, eager intervals emptied: what
-`check` leaves a layer kept for compiled graphs), and `plain2` (a second
-unpatched copy: the floor two copies of one code measure apart). Printed:
+weights) in more copies: `patched` (`tuner.patch` on DB, as a user runs
+it, no `check`), `nowhere` (patched, every layer's intervals moved where no
+call reaches), `eagerless` (patched, eager intervals emptied: what `check`
+leaves a layer kept for compiled graphs), `plain2` (a second unpatched
+copy: the floor two copies of one code measure apart), and, for the layers
+`patch` takes, `swapped` (their class swapped, `nn.Linear`'s forward) and
+`instance` (`nn.Linear`, the patched forward's cuBLAS path without its
+interval test as an instance attribute). Printed:
 the patched layers and their intervals; the Python calls of one step
 (`sys.setprofile`), plain against patched, and where they differ; the CUDA
 kernels of one step (profiler), likewise; then each copy's steps paired
@@ -26,9 +29,12 @@ import math
 import statistics
 import sys
 import time
+import types
 import warnings
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from tuner import dispatch, patch
@@ -37,6 +43,17 @@ from tuner.patch import TunedLinear
 
 _PAIRS, _REFILL = 1500, 60  # paired steps per variant; steps between cache refills
 _NOWHERE = ((1 << 30, 1 << 30),)
+_VARIANTS = ("plain2", "swapped", "instance", "nowhere", "eagerless", "patched")
+
+
+class _Swapped(nn.Linear):
+    """`nn.Linear` under another class, as `patch` swaps it, keeping `nn.Linear`'s forward."""
+
+
+def _lean(self, input):
+    """The patched forward's cuBLAS path without its interval test."""
+    p = self._parameters
+    return F.linear(input, p["weight"], p["bias"])
 
 
 def main() -> None:
@@ -47,9 +64,14 @@ def main() -> None:
     torch.manual_seed(0)
     base = build_model(name, num_layers=2, device="cuda", dtype=torch.bfloat16)
     vocab = base.config.get_text_config().vocab_size
-    copies = {"plain": base, **{v: copy.deepcopy(base) for v in ("plain2", "patched", "nowhere", "eagerless")}}
+    copies = {"plain": base, **{v: copy.deepcopy(base) for v in _VARIANTS}}
     for v in ("patched", "nowhere", "eagerless"):
         patch(copies[v])
+    for name_, layer in copies["patched"].named_modules():
+        if type(layer) is TunedLinear:
+            copies["swapped"].get_submodule(name_).__class__ = _Swapped
+            twin = copies["instance"].get_submodule(name_)
+            twin.forward = types.MethodType(_lean, twin)
     for layer in copies["nowhere"].modules():
         if type(layer) is TunedLinear:
             layer.tuner_spans = layer.tuner_compiled_spans = _NOWHERE
@@ -88,7 +110,7 @@ def main() -> None:
         _differ("kernels per step", _kernels(step, "plain"), _kernels(step, "patched"))
         for v in copies:
             prefill(v)
-        for other in ("plain2", "nowhere", "eagerless", "patched") * 2:
+        for other in _VARIANTS * 2:
             logs = []
             gc.collect()
             gc.disable()
