@@ -8,7 +8,8 @@ from db.store import Store
 from tuner.key import Key, Problem
 from tuner.model import ModelBackend
 from tuner.search import (
-    NEIGHBOUR_SHAPES, Budget, cluster_variants, hint_variant, model_picks, neighbour_variants, tune_key,
+    LONG_KEY_MS, LONG_KEY_TRIALS, NEIGHBOUR_SHAPES, Budget, cluster_variants, hint_variant, model_picks,
+    neighbour_variants, tune_key,
 )
 
 
@@ -242,6 +243,23 @@ def test_a_config_is_recorded_once_per_key_across_reruns(tmp_path):
     env = store.environment(backend.name, "sm90", backend.device_name, backend.versions())
     names = [t.config_name for t in store.trials(store.key_id(key.to_dict()), env)]
     assert len(names) == len(set(names)) >= 12
+
+
+def test_a_key_whose_cublas_call_is_long_samples_more_trials(tmp_path):
+    backend = ModelBackend("sm90")
+    store = Store(str(tmp_path / "t.db"))
+    for problem, long in ((Problem(8192, 43008, 5376), True), (Problem(128, 4096, 4096), False)):
+        key = Key("sm90", backend.device_name, problem)
+        assert (backend.baseline(key).ms >= LONG_KEY_MS) is long
+        totals = []
+        w = tune_key(key, backend, store, Budget(trials=7), on_trial=lambda n, total: totals.append(total)).winner
+        want = round(7 * LONG_KEY_TRIALS) if long else 7
+        assert set(totals) == {want} and w.trials == want
+    # A key measuring only its seeds (a ladder rung) keeps its budget however long.
+    key = Key("sm90", backend.device_name, Problem(4096, 43008, 5376))
+    seeds = model_picks(key, 3)
+    w = tune_key(key, backend, store, Budget(trials=3), seeds=seeds, explore=False).winner
+    assert backend.baseline(key).ms >= LONG_KEY_MS and w.trials == 3
 
 
 def _tiles_at(key, cfg) -> int:

@@ -67,6 +67,14 @@ SWAP_SEED_MAX_M = space.SWAP_AB_MAX_ROWS
 # Pruned (invalid) samples are cheap but not free: give up on a key after this
 # many samples per measured trial of budget.
 MAX_SAMPLES_PER_TRIAL = 20
+# A searched key whose cuBLAS call takes at least LONG_KEY_MS samples
+# LONG_KEY_TRIALS times its budget's trials: such keys hold most of a model's
+# GEMM time, and their leads came late in the search (H100, 27B, 24 trials
+# against 14: gate_up at M = 8192 went from cuBLAS to 1.031x it with a
+# pingpong 128x192 tile, at 2048 from 1.021x to 1.047x), while 24 trials on
+# every key took the cold tune past ten minutes.
+LONG_KEY_MS = 0.5
+LONG_KEY_TRIALS = 12 / 7
 
 # Failed trials are recorded with their errors in our trial table; Optuna's
 # per-trial warning with a traceback would only bury the progress bars.
@@ -137,13 +145,16 @@ def tune_key(
     baseline = measure(None)
     if not baseline.ok:
         raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed: {baseline.error}")
+    trials = budget.trials
+    if explore and baseline.ms >= LONG_KEY_MS:
+        trials = round(trials * LONG_KEY_TRIALS)
 
     study = optuna.create_study(
         study_name=f"{key.study_name()}:{_env_tag(backend.name, versions, key.arch)}",
         storage=store.optuna_storage(),
         sampler=optuna.samplers.TPESampler(
             seed=_seed(key.study_name()), multivariate=True, group=True, constant_liar=True,
-            n_startup_trials=min(10, budget.trials),
+            n_startup_trials=min(10, trials),
         ),
         direction="minimize",
         load_if_exists=True,
@@ -190,18 +201,18 @@ def tune_key(
     def stop_when_spent(study_: optuna.Study, _trial) -> None:
         n = done()
         if on_trial:
-            on_trial(min(n, budget.trials), budget.trials)
-        if n >= budget.trials or budget.seconds and time.monotonic() - started > budget.seconds:
+            on_trial(min(n, trials), trials)
+        if n >= trials or budget.seconds and time.monotonic() - started > budget.seconds:
             study_.stop()
 
-    remaining = budget.trials - done()
+    remaining = trials - done()
     if remaining > 0:
         study.optimize(
             objective, n_trials=remaining * MAX_SAMPLES_PER_TRIAL, timeout=budget.seconds,
             catch=(_Failed,), callbacks=[stop_when_spent],
         )
     if on_trial:
-        on_trial(budget.trials, budget.trials)
+        on_trial(trials, trials)
 
     # Every verified trial of the key competes, whichever process measured it.
     measured.update((t.config_name, t) for t in store.trials(key_id, env_id))
