@@ -259,6 +259,44 @@ def test_refine_bisects_thin_leads_where_cublas_changes_kernel_between_points():
     assert max(b / a for a, b in zip(kernel_ms, kernel_ms[1:]) if a >= 75) <= DENSE_RATIO
 
 
+class _SpellBackend:
+    """cuBLAS and a 16-row swap_ab kernel on a few rows: the kernel leads up
+    to M = 16 and takes twice the time past it (two activation tiles). The
+    first time M = 19 is measured the GPU is in a slow spell: every call
+    takes 8x, and the kernel reads 2 % ahead."""
+
+    name = "synthetic"
+
+    def __init__(self):
+        self.rounds = {}
+
+    def remeasure(self, key, cfgs, *, cold=False):
+        from tuner.measure import Measurement
+
+        m = key.problem.m
+        self.rounds[m] = self.rounds.get(m, 0) + 1
+        if m == 19 and self.rounds[m] == 1:
+            return [Measurement(ms=0.123 if c is None else 0.1205, ok=True) for c in cfgs]
+        return [Measurement(ms=0.015 if c is None else 0.013 if m <= 16 else 0.021, ok=True) for c in cfgs]
+
+
+def test_a_point_measured_in_a_slow_spell_is_measured_again_before_it_decides():
+    from tuner.ladder import DISTURBED_RATIO, _measure, _steady
+
+    cfg = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=16, stages=8, split_k=2, swap_ab=True)
+    template = Key("sm90", "synthetic", Problem(16, 3072, 3072))
+    backend = _SpellBackend()
+    points = [_measure(template, m, [cfg], backend) for m in (16, 17, 19, 23, 32)]
+    assert points[2][1]["cublas"] > DISTURBED_RATIO * points[3][1]["cublas"]
+    # Taken as measured, the spell grants the kernel M = 19 (1.4x cuBLAS's time there).
+    assert [(r["m_lo"], r["m_hi"]) for r in build_map(points) if r["config"]] == [(16, 16), (19, 19)]
+    steady = _steady(template, points, backend)
+    assert backend.rounds[19] == 2 and all(n == 1 for m, n in backend.rounds.items() if m != 19)
+    assert [(r["m_lo"], r["m_hi"]) for r in build_map(steady) if r["config"]] == [(16, 16)]
+    # A point no larger M undercuts is left as measured.
+    assert _steady(template, steady, backend) == steady and backend.rounds[19] == 2
+
+
 def test_refine_measures_a_range_that_starts_between_points():
     """A range can begin right after a point another kernel took (64-row
     tiles: M = 64 is one row, 65 is two). Its first M is measured, and so

@@ -16,7 +16,8 @@ other L2 hint) are re-measured interleaved, each call alone after an L2
 flush (the latency a model's forward sees, not back-to-back throughput); a
 range a kernel takes is measured again at the first M of every tile row
 inside it and, where its lead is thin, between its measured points (`_refine`).
-From those measurements `build_map` makes the family's M map:
+A point measured while the GPU ran slow for a spell (cuBLAS slower there
+than at a larger M) is measured again (`_steady`). From those measurements `build_map` makes the family's M map:
 
 - at a measured M, the fastest candidate, a kernel only if it beats cuBLAS
   there by `HOLD_MARGIN` (1 %: a tie within noise goes to cuBLAS);
@@ -62,6 +63,13 @@ REFINE_ROUNDS = 4
 # cuBLAS at either is under THIN_MARGIN and they lie more than DENSE_RATIO apart.
 THIN_MARGIN = 1.04
 DENSE_RATIO = 1.05
+# A validation point whose cuBLAS time is this many times that of a larger M
+# of the family was measured in a slow spell of the GPU (Phi-3-mini o at
+# M = 19, H100: every candidate 8x its neighbours' times, and a kernel that
+# runs 1.4x cuBLAS's time read 2 % ahead of it); it is measured again, up to
+# STEADY_TRIES times, keeping the round whose cuBLAS ran fastest.
+DISTURBED_RATIO = 1.25
+STEADY_TRIES = 2
 # Configs a rung between listed ones measures beside its neighbours' winners:
 # the model's best shapes for that M.
 RUNG_MODEL_PICKS = 2
@@ -156,7 +164,8 @@ def tune_family(
     covered = current and min(r.m_lo for r in current) <= min(outcomes) and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
         return FamilyOutcome(outcomes, [], validated=False, seconds=seconds)
-    ranges = build_map(_refine(template, _measure_points(template, outcomes, backend), backend))
+    points = _steady(template, _measure_points(template, outcomes, backend), backend)
+    ranges = build_map(_steady(template, _refine(template, points, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
     lap("map")
@@ -344,6 +353,37 @@ def _measure(template: Key, m: int, cfgs: list[GemmConfig], backend: Backend) ->
     if BASELINE not in times:
         raise RuntimeError(f"{key.study_name()}: the cuBLAS baseline failed when validating")
     return m, times, {c.name(): c for c in cands if c is not None}
+
+
+def _steady(template: Key, points: list[tuple], backend: Backend) -> list[tuple]:
+    """`points` (by M) with each disturbed one (`_disturbed`) measured again,
+    the round whose cuBLAS call ran fastest kept: a slow spell slows every
+    candidate of a point, so their ratios there say nothing."""
+    points = list(points)
+    for _ in range(STEADY_TRIES):
+        suspects = _disturbed(points)
+        for i in suspects:
+            m, times, named = points[i]
+            again = _measure(template, m, list(named.values()), backend)
+            if again[1][BASELINE] < times[BASELINE]:
+                points[i] = again
+        if not suspects:
+            break
+    return points
+
+
+def _disturbed(points: list[tuple]) -> list[int]:
+    """Indices of the points (by M) whose cuBLAS time is `DISTURBED_RATIO`
+    times that of a point of larger M: with N and K fixed, a GEMM does not
+    run that much faster on more rows."""
+    out = []
+    fastest_above = math.inf
+    for i in reversed(range(len(points))):
+        base = points[i][1][BASELINE]
+        if base > DISTURBED_RATIO * fastest_above:
+            out.append(i)
+        fastest_above = min(fastest_above, base)
+    return out
 
 
 def _refine(template: Key, points: list[tuple], backend: Backend) -> list[tuple]:
