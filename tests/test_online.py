@@ -62,6 +62,21 @@ def test_online_choice_is_stored_once_and_served_from_the_map(tmp_path):
     assert len(store.ranges(n=N, k=K)) == 1
 
 
+def test_a_measurement_in_a_slow_spell_decides_nothing(tmp_path):
+    model = ModelBackend("sm90")
+    store = Store(str(tmp_path / "t.db"))
+    cfg = space.defaults("sm90")["static_persistent"]
+    key = Key("sm90", model.device_name, Problem(1000, N, K))
+    for m in (256, 4096):
+        _store_winner(store, key.with_m(m), cfg, model.versions(), backend="model")
+    # The winner stored at M = 4096 timed cuBLAS at 1.1 ms: 2 ms at M = 1000
+    # is a slow spell, in which the kernel reads ahead.
+    assert online.tune(store, key, lambda cands: [2.0, 1.9], "model", model.versions()) is None
+    assert store.ranges(n=N, k=K) == []
+    d = online.tune(store, key, lambda cands: [1.0, 0.9], "model", model.versions())
+    assert (d.config_name, d.source) == (cfg.name(), "online")
+
+
 def test_online_is_off_by_default(monkeypatch):
     monkeypatch.delenv(online.ENV_VAR, raising=False)
     dispatch.configure(None)

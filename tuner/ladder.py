@@ -41,7 +41,7 @@ from db.store import Store
 from kernels.space import GemmConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
-from tuner.measure import Backend
+from tuner.measure import Backend, slow_spell
 from tuner.search import (
     Budget, Outcome, compile_ahead, drawable, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
 )
@@ -63,12 +63,9 @@ REFINE_ROUNDS = 4
 # cuBLAS at either is under THIN_MARGIN and they lie more than DENSE_RATIO apart.
 THIN_MARGIN = 1.04
 DENSE_RATIO = 1.05
-# A validation point whose cuBLAS time is this many times that of a larger M
-# of the family was measured in a slow spell of the GPU (Phi-3-mini o at
-# M = 19, H100: every candidate 8x its neighbours' times, and a kernel that
-# runs 1.4x cuBLAS's time read 2 % ahead of it); it is measured again, up to
-# STEADY_TRIES times, keeping the round whose cuBLAS ran fastest.
-DISTURBED_RATIO = 1.25
+# A validation point measured in a slow spell (`tuner.measure.slow_spell`)
+# is measured again, up to STEADY_TRIES times, keeping the round whose
+# cuBLAS ran fastest.
 STEADY_TRIES = 2
 # Configs a rung between listed ones measures beside its neighbours' winners:
 # the model's best shapes for that M.
@@ -373,14 +370,13 @@ def _steady(template: Key, points: list[tuple], backend: Backend) -> list[tuple]
 
 
 def _disturbed(points: list[tuple]) -> list[int]:
-    """Indices of the points (by M) whose cuBLAS time is `DISTURBED_RATIO`
-    times that of a point of larger M: with N and K fixed, a GEMM does not
-    run that much faster on more rows."""
+    """Indices of the points (by M) measured in a slow spell: cuBLAS there
+    `slow_spell` against a point of larger M."""
     out = []
     fastest_above = math.inf
     for i in reversed(range(len(points))):
         base = points[i][1][BASELINE]
-        if base > DISTURBED_RATIO * fastest_above:
+        if slow_spell(base, fastest_above):
             out.append(i)
         fastest_above = min(fastest_above, base)
     return out

@@ -14,6 +14,18 @@ from tuner.key import Key
 
 # Share of samples dropped at each end by `trimmed_mean`.
 TRIM = 0.2
+# A cuBLAS call this many times slower than cuBLAS measured at a larger M of
+# the same (N, K) was timed in a slow spell of the GPU (Phi-3-mini o at M =
+# 19, H100: every candidate 8x its neighbours' times, and a kernel that runs
+# 1.4x cuBLAS's time read 2 % ahead of it). With N and K fixed, a GEMM does
+# not run that much faster on more rows.
+SLOW_SPELL_RATIO = 1.25
+
+
+def slow_spell(cublas_ms: float, cublas_ms_at_larger_m: float) -> bool:
+    """Whether a measurement whose cuBLAS call took `cublas_ms` was taken in
+    a slow spell (`SLOW_SPELL_RATIO`): its candidates' ratios say nothing."""
+    return cublas_ms > SLOW_SPELL_RATIO * cublas_ms_at_larger_m
 
 
 def trimmed_mean(samples: list[float], trim: float = TRIM) -> float:

@@ -8,13 +8,17 @@ ladder would validate there), interleaved, within about `BUDGET_S` (a kernel
 not yet in the compile cache is built first, which takes longer). The
 fastest runs at once and is stored as a one-M range of the map with its
 measurements and source "online", so later processes use it without
-measuring. Never during CUDA graph capture or torch.compile tracing (the
+measuring. A measurement taken in a slow spell of the GPU (its cuBLAS call
+`tuner.measure.slow_spell` against one stored for a larger M of the family)
+decides nothing: the call runs cuBLAS and a later process measures again.
+Never during CUDA graph capture or torch.compile tracing (the
 dispatcher does not reach this module then); off by default, so the default
 path never measures.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -24,6 +28,7 @@ from db.store import Store
 from kernels.space import GemmConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, Decision, decide, family_of
+from tuner.measure import slow_spell
 
 ENV_VAR = "TUNER_ONLINE"
 # Time one new M may spend measuring, launches included.
@@ -67,7 +72,7 @@ def tune(store: Store, key: Key, measure: Measure, backend: str, versions: dict[
     cands: list[GemmConfig | None] = [None, *candidates(store, key)]
     times = measure(cands)
     ms = {(c.name() if c else BASELINE): t for c, t in zip(cands, times, strict=True) if t is not None}
-    if BASELINE not in ms:
+    if BASELINE not in ms or slow_spell(ms[BASELINE], _cublas_at_larger_m(store, key)):
         return None
     choice = min(ms, key=ms.get)
     cfg = next((c for c in cands if c is not None and c.name() == choice), None)
@@ -78,6 +83,16 @@ def tune(store: Store, key: Key, measure: Measure, backend: str, versions: dict[
         config=cfg.to_dict() if cfg else None, evidence=[{"m": m, "ms": ms}],
     ))
     return decide(m, store.ranges(**family_of(key)), [])
+
+
+def _cublas_at_larger_m(store: Store, key: Key) -> float:
+    """The fastest cuBLAS time stored for the key's family at a larger M (map
+    evidence and tuned keys' baselines); infinite where none is."""
+    family, m = family_of(key), key.problem.m
+    times = [p["ms"][BASELINE] for r in store.ranges(**family) for p in r.evidence
+             if p["m"] > m and BASELINE in p["ms"]]
+    times += [w.baseline_ms for w in store.winners(limit=100_000, **family) if w.key["m"] > m]
+    return min(times, default=math.inf)
 
 
 def time_interleaved(launches: Sequence[Callable[[], object]], budget_s: float = BUDGET_S) -> list[float]:
