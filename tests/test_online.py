@@ -73,6 +73,13 @@ def test_a_measurement_in_a_slow_spell_decides_nothing(tmp_path):
     # is a slow spell, in which the kernel reads ahead.
     assert online.tune(store, key, lambda cands: [2.0, 1.9], "model", model.versions()) is None
     assert store.ranges(n=N, k=K) == []
+    # The dispatcher says so, and runs cuBLAS.
+    dispatch.configure(str(tmp_path / "t.db"), online=True)
+    try:
+        seen, cfg_run = dispatch._choose(key, measure=lambda cands: [2.0, 1.9])
+    finally:
+        dispatch.configure(None)
+    assert (seen.path, cfg_run) == ("torch", None) and "slow spell" in seen.reason
     d = online.tune(store, key, lambda cands: [1.0, 0.9], "model", model.versions())
     assert (d.config_name, d.source) == (cfg.name(), "online")
 

@@ -342,6 +342,10 @@ def _choose(key, measure=None) -> tuple[Explanation, object]:
         from tuner import online
 
         found = online.tune(_writer(), key, measure, "gpu", current)
+        if found is None:
+            return Explanation(TORCH, (
+                f"online tuning at M={p.m} decided nothing (no cuBLAS time, or the GPU ran in a slow "
+                f"spell): cuBLAS runs, and a later process measures again"), key=name), None
     if found is None:
         return Explanation(TORCH, (
             f"no measured choice covers M={p.m} for this (N, K): tune the family with a ladder "
