@@ -34,13 +34,21 @@ def _store_winner(store, key, cfg, vers, backend="gpu"):
 # ---------------------------------------------------------------- CPU
 
 
-def test_online_choice_is_stored_once_and_served_from_the_map(tmp_path):
+@pytest.fixture
+def model_family(tmp_path):
+    """The model backend, a store with its winners at M = 256 and 4096 of a
+    family (no M map), that winner's config and the family's key at M = 1000."""
     model = ModelBackend("sm90")
     store = Store(str(tmp_path / "t.db"))
     cfg = space.defaults("sm90")["static_persistent"]
     key = Key("sm90", model.device_name, Problem(1000, N, K))
     for m in (256, 4096):
         _store_winner(store, key.with_m(m), cfg, model.versions(), backend="model")
+    return model, store, cfg, key
+
+
+def test_online_choice_is_stored_once_and_served_from_the_map(tmp_path, model_family):
+    model, store, cfg, key = model_family
     assert lookup(store, key) is None  # 1000 is in neither winner's own interval
     assert online.candidates(store, key) == [cfg]
     calls = []
@@ -62,13 +70,8 @@ def test_online_choice_is_stored_once_and_served_from_the_map(tmp_path):
     assert len(store.ranges(n=N, k=K)) == 1
 
 
-def test_a_measurement_in_a_slow_spell_decides_nothing(tmp_path):
-    model = ModelBackend("sm90")
-    store = Store(str(tmp_path / "t.db"))
-    cfg = space.defaults("sm90")["static_persistent"]
-    key = Key("sm90", model.device_name, Problem(1000, N, K))
-    for m in (256, 4096):
-        _store_winner(store, key.with_m(m), cfg, model.versions(), backend="model")
+def test_a_measurement_in_a_slow_spell_decides_nothing(tmp_path, model_family):
+    model, store, cfg, key = model_family
     # The winner stored at M = 4096 timed cuBLAS at 1.1 ms: 2 ms at M = 1000
     # is a slow spell, in which the kernel reads ahead.
     assert online.tune(store, key, lambda cands: [2.0, 1.9], "model", model.versions()) is None
