@@ -17,7 +17,8 @@ flush (the latency a model's forward sees, not back-to-back throughput); a
 range a kernel takes is measured again at the first M of every tile row
 inside it and, where its lead is thin, between its measured points (`_refine`).
 A point measured while the GPU ran slow for a spell (cuBLAS slower there
-than at a larger M) is measured again (`_steady`). From those measurements `build_map` makes the family's M map:
+than at a larger M) is measured again (`_steady`). From those measurements
+`build_map` makes the family's M map:
 
 - at a measured M, the fastest candidate, a kernel only if it beats cuBLAS
   there by `HOLD_MARGIN` (1 %: a tie within noise goes to cuBLAS);
@@ -359,13 +360,13 @@ def _steady(template: Key, points: list[tuple], backend: Backend) -> list[tuple]
     points = list(points)
     for _ in range(STEADY_TRIES):
         suspects = _disturbed(points)
+        if not suspects:
+            break
         for i in suspects:
             m, times, named = points[i]
             again = _measure(template, m, list(named.values()), backend)
             if again[1][BASELINE] < times[BASELINE]:
                 points[i] = again
-        if not suspects:
-            break
     return points
 
 
