@@ -76,7 +76,9 @@ def tune(
     model_m: str = typer.Option("1,16,128,512,2048,8192", "--m", help="With --model: token counts M."),
     backend: str = typer.Option("model", help="Measurement backend: model or gpu."),
     arch: str = typer.Option("sm90", help="Target architecture: sm90 or sm100."),
-    trials: Optional[int] = typer.Option(None, min=1, help="Measured trials per listed key (12/7 as many where cuBLAS takes 0.5 ms or more)."),
+    trials: Optional[int] = typer.Option(
+        None, min=1, help="Measured trials per listed key (12/7 as many where cuBLAS takes 0.5 ms or more).",
+    ),
     seconds: Optional[float] = typer.Option(None, min=1, help="Time budget per key, in seconds."),
     ladder: bool = typer.Option(
         True, help="Also tune every power of two of M up to each family's largest, then measure "

@@ -47,32 +47,17 @@ def enabled_by_env() -> bool:
 def candidates(store: Store, key: Key) -> list[GemmConfig]:
     """The kernel choices of the nearest measured M below and above the key's
     (map ranges, else tuned winners) that can run its shape."""
-    family, m = family_of(key), key.problem.m
-    measured: dict[int, dict | None] = {}
-    for r in store.ranges(**family):
-        # A range's evidence includes the ends of its neighbours: keep the points it covers.
-        measured.update((point["m"], r.config) for point in r.evidence if r.covers(point["m"]))
-    for w in store.winners(limit=100_000, **family):
-        measured.setdefault(w.key["m"], w.config)
-    below = [t for t in measured if t < m]
-    above = [t for t in measured if t > m]
-    out: list[GemmConfig] = []
-    for t in ([max(below)] if below else []) + ([min(above)] if above else []):
-        if measured[t] is None:
-            continue
-        cfg = GemmConfig.from_dict(measured[t])
-        if key.problem.runs(cfg) and cfg not in out:
-            out.append(cfg)
-    return out
+    return _stored(store, key)[0]
 
 
 def tune(store: Store, key: Key, measure: Measure, backend: str, versions: dict[str, str]) -> Decision | None:
     """Measure the key's M now, store the choice (unless another process stored
     one first) and return the decision the map then gives."""
-    cands: list[GemmConfig | None] = [None, *candidates(store, key)]
+    near, cublas_above = _stored(store, key)
+    cands: list[GemmConfig | None] = [None, *near]
     times = measure(cands)
     ms = {(c.name() if c else BASELINE): t for c, t in zip(cands, times, strict=True) if t is not None}
-    if BASELINE not in ms or slow_spell(ms[BASELINE], _cublas_at_larger_m(store, key)):
+    if BASELINE not in ms or slow_spell(ms[BASELINE], cublas_above):
         return None
     choice = min(ms, key=ms.get)
     cfg = next((c for c in cands if c is not None and c.name() == choice), None)
@@ -85,14 +70,30 @@ def tune(store: Store, key: Key, measure: Measure, backend: str, versions: dict[
     return decide(m, store.ranges(**family_of(key)), [])
 
 
-def _cublas_at_larger_m(store: Store, key: Key) -> float:
-    """The fastest cuBLAS time stored for the key's family at a larger M (map
-    evidence and tuned keys' baselines); infinite where none is."""
+def _stored(store: Store, key: Key) -> tuple[list[GemmConfig], float]:
+    """From one read of the family's map and winners: `candidates`, and the
+    fastest cuBLAS time stored at a larger M (map evidence and tuned keys'
+    baselines; infinite where none is), the reference of `slow_spell`."""
     family, m = family_of(key), key.problem.m
-    times = [p["ms"][BASELINE] for r in store.ranges(**family) for p in r.evidence
-             if p["m"] > m and BASELINE in p["ms"]]
-    times += [w.baseline_ms for w in store.winners(limit=100_000, **family) if w.key["m"] > m]
-    return min(times, default=math.inf)
+    ranges, winners = store.ranges(**family), store.winners(limit=100_000, **family)
+    measured: dict[int, dict | None] = {}
+    for r in ranges:
+        # A range's evidence includes the ends of its neighbours: keep the points it covers.
+        measured.update((point["m"], r.config) for point in r.evidence if r.covers(point["m"]))
+    for w in winners:
+        measured.setdefault(w.key["m"], w.config)
+    below = [t for t in measured if t < m]
+    above = [t for t in measured if t > m]
+    near: list[GemmConfig] = []
+    for t in ([max(below)] if below else []) + ([min(above)] if above else []):
+        if measured[t] is None:
+            continue
+        cfg = GemmConfig.from_dict(measured[t])
+        if key.problem.runs(cfg) and cfg not in near:
+            near.append(cfg)
+    cublas = [p["ms"][BASELINE] for r in ranges for p in r.evidence if p["m"] > m and BASELINE in p["ms"]]
+    cublas += [w.baseline_ms for w in winners if w.key["m"] > m]
+    return near, min(cublas, default=math.inf)
 
 
 def time_interleaved(launches: Sequence[Callable[[], object]], budget_s: float = BUDGET_S) -> list[float]:

@@ -31,11 +31,11 @@ kernel for it, and the maps measured the product alone.
 A `TunedLinear` call whose M (rows of the flattened input) lies outside its
 intervals (the eager or the compiled set) runs `F.linear` directly, as the
 unpatched layer does, after one comparison of the input's size, and costs
-the host no more than `nn.Linear`'s own call (`forward`); inside them it goes to `gemm`
-(which still falls back to cuBLAS where it must) and the bias is added
-after. Once `gemm` has chosen a kernel for an M, the layer keeps its launch
-and calls it directly, skipping every check but the input's alignment (a
-decode step is launch-bound). Under
+the host no more than `nn.Linear`'s own call (`forward`); inside them it
+goes to `gemm` (which still falls back to cuBLAS where it must) and the
+bias is added after. Once `gemm` has chosen a kernel for an M, the layer
+keeps its launch and calls it directly, skipping every check but the
+input's alignment (a decode step is launch-bound). Under
 `torch.compile` the test is on M at trace time (a guard when M is dynamic),
 so a layer's graph holds either the plain `linear` or the `gemm_tuner::gemm`
 op, not both; CUDA graph capture works once each key has been called before
