@@ -95,8 +95,8 @@ class SliceSlots:
 
 
 class UnitSlots:
-    """Stream-K: the unit of cluster c in a stream-K tile parks in c's slot
-    for that tile (`StreamKScheduler.slot`), one per CTA of the cluster."""
+    """Stream-K: slice s of stream-K tile `unit_tile` parks in its unit's slot
+    (`StreamKScheduler.slot`), one per CTA of the cluster."""
 
     def __init__(self, sched, unit_tile, cluster_mn: tuple[int, int]):
         self.sched = sched
@@ -104,5 +104,5 @@ class UnitSlots:
         self.cluster_size = cluster_mn[0] * cluster_mn[1]
         self.rank = sched.rank_mn[0] + sched.rank_mn[1] * cluster_mn[0]
 
-    def __call__(self, cluster):
-        return Int64(self.sched.slot(cluster, self.unit_tile)) * self.cluster_size + self.rank
+    def __call__(self, s):
+        return Int64(self.sched.slot(s, self.unit_tile)) * self.cluster_size + self.rank

@@ -14,10 +14,9 @@ indices a cluster visits:
 - ``stream_k`` (Osama et al., PPoPP 2023; CUTLASS's stream-K scheduler): a
   persistent grid whose full waves of tiles are dealt as in
   ``static_persistent``, while the tiles that would make a partial wave are
-  cut into units of equal k-block counts, one unit per cluster, so that every
-  cluster does the same number of k-blocks. A unit may end inside one tile
-  and begin inside the next; the clusters that share a tile reduce their
-  partial accumulators in the kernel (`StreamKScheduler`).
+  cut into K slices of equal k-block counts, one or two per cluster, so that
+  the last wave keeps every SM busy; the clusters that share a tile reduce
+  their partial accumulators in the kernel (`StreamKScheduler`).
 - ``dynamic_persistent``: cluster c starts at c; afterwards the scheduler warp
   of its leader CTA claims the next index with a global ``atomic_add`` on a
   claim counter and publishes it to every warp role of every CTA of the
@@ -71,6 +70,9 @@ KINDS = ("single_tile", "static_persistent", "dynamic_persistent", "stream_k")
 # Fewest k-blocks a stream-K unit is given: below it the partials' round trip
 # through global memory costs more than the k-blocks it spreads.
 SK_MIN_K_TILES = 8
+# Most slices a stream-K tile is cut into: its last unit reads every other
+# slice's partial before it stores the tile.
+SK_MAX_SLICES = 8
 
 # Bytes of one published work index.
 _SLOT_BYTES = 4
@@ -453,27 +455,26 @@ class TileScheduler:
 
 class StreamKWork(WorkTile):
     """A `WorkTile` that covers k-blocks [k_start, k_start + k_tiles) of its
-    tile; `unit_tile` is the tile's index among the stream-K tiles, -1 for a
-    whole tile dealt data-parallel."""
+    tile: slice `slice` of stream-K tile `unit_tile` (the tile's index among
+    the stream-K tiles), or a whole tile dealt data-parallel (unit_tile -1)."""
 
-    def __init__(self, tile: tuple, is_valid, k_start, k_tiles, unit_tile):
+    def __init__(self, tile: tuple, is_valid, k_start, k_tiles, unit_tile, slice_):
         super().__init__(tile, is_valid)
         self.k_start = Int32(k_start)
         self.k_tiles = Int32(k_tiles)
         self.unit_tile = Int32(unit_tile)
+        self.slice = Int32(slice_)
+
+    def _fields(self) -> list:
+        return [self.k_start, self.k_tiles, self.unit_tile, self.slice]
 
     def __extract_mlir_values__(self) -> list:
-        return super().__extract_mlir_values__() + cutlass.extract_mlir_values(
-            [self.k_start, self.k_tiles, self.unit_tile]
-        )
+        return super().__extract_mlir_values__() + cutlass.extract_mlir_values(self._fields())
 
     def __new_from_mlir_values__(self, values: list) -> "StreamKWork":
         n = len(super().__extract_mlir_values__())
         base = WorkTile.__new_from_mlir_values__(self, values[:n])
-        k_start, k_tiles, unit_tile = cutlass.new_from_mlir_values(
-            [self.k_start, self.k_tiles, self.unit_tile], values[n:]
-        )
-        return StreamKWork(base.tile, base.is_valid, k_start, k_tiles, unit_tile)
+        return StreamKWork(base.tile, base.is_valid, *cutlass.new_from_mlir_values(self._fields(), values[n:]))
 
     def k_range(self, k_tiles) -> tuple:
         return self.k_start, self.k_tiles
@@ -482,36 +483,40 @@ class StreamKWork(WorkTile):
 class StreamKScheduler(TileScheduler):
     """Stream-K over a persistent grid of P clusters (T tiles of KI k-blocks).
 
-    The first ``sk`` work indices are the stream-K tiles: their sk * KI
-    k-blocks are split as evenly as integers allow, cluster c taking the
-    range [start(c), start(c + 1)). When T is a whole number of waves sk is 0;
-    with fewer tiles than clusters every tile is stream-K; otherwise sk is
-    the partial wave's tiles, plus one full wave when the partial wave alone
-    would leave units under `SK_MIN_K_TILES` (CUTLASS's "DP + SK" split). A
-    cluster first walks its range, one unit per tile it touches, then its
-    data-parallel tiles sk + c, sk + c + P, ... Only a range's first and
-    last units can be part of a tile, so each cluster owns two partial slots
-    (its first unit's and its last's) and a tile's partials sit in the slots
-    of consecutive clusters: `contributors` and `slot` find them.
+    The whole waves come first, dealt as ``static_persistent`` deals them:
+    every cluster starts its tiles together, so the tiles that share an
+    operand panel read it at about the same time and L2 serves it once.
+    The partial wave's ``sk`` tiles (every tile when T < P) follow, each cut
+    into S slices of KI / S k-blocks: unit u is slice u // sk of tile u % sk,
+    and cluster c takes units c and c + P. Units of one slice start at the
+    same k-block, so the partial wave keeps that reuse; contiguous ranges of
+    k-blocks over the tiles (the paper's split) start every unit at another
+    k-block and stream each panel from DRAM once per unit (27B down at
+    M = 2048, 128x224 tiles: the units ran 3.5x slower a k-block than whole tiles).
+
+    S is the most slices the partial wave's tiles fill the grid with, once
+    (R = 1) or twice (R = 2, where that makes the partial wave shorter:
+    2 / S2 < 1 / S1), each unit keeping `SK_MIN_K_TILES` k-blocks and S at
+    most `SK_MAX_SLICES`; with S < 2 there is nothing to gain and every tile
+    is whole. Unit u parks in partial slot u, so a cluster owns two slots.
     """
 
-    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, base, extra, it, end, idx):
+    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, sk, slices, dp, idx):
         super().__init__(spec, grid, num_clusters, rank_mn, idx, None, None)
         self.cluster = cluster
         self.k_tiles = k_tiles
-        self.base = base
-        self.extra = extra
-        self._it = it
-        self._end = end
+        self.sk = sk
+        self.slices = slices
+        self.dp = dp
 
     def __extract_mlir_values__(self) -> list:
-        return cutlass.extract_mlir_values([self._idx, self._it])
+        return cutlass.extract_mlir_values([self._idx])
 
     def __new_from_mlir_values__(self, values: list) -> "StreamKScheduler":
-        idx, it = cutlass.new_from_mlir_values([self._idx, self._it], values)
+        (idx,) = cutlass.new_from_mlir_values([self._idx], values)
         return StreamKScheduler(
-            self.spec, self.grid, self.num_clusters, self.rank_mn, self.cluster, self.k_tiles, self.base,
-            self.extra, it, self._end, idx,
+            self.spec, self.grid, self.num_clusters, self.rank_mn, self.cluster, self.k_tiles, self.sk,
+            self.slices, self.dp, idx,
         )
 
     @staticmethod
@@ -525,65 +530,40 @@ class StreamKScheduler(TileScheduler):
         k_tiles = Int32(k_tiles)
         total = grid.count
         waves = total // clusters
-        rest = total - waves * clusters
-        # A partial wave too small for units of SK_MIN_K_TILES takes a full wave along.
-        short = rest * k_tiles < clusters * SK_MIN_K_TILES
-        with_wave = Int32(cutlass.select_(short, rest + clusters, rest))
-        sk = Int32(cutlass.select_(waves == 0, total, cutlass.select_(rest == 0, 0, with_wave)))
-        iters = sk * k_tiles
-        base = iters // clusters
-        extra = iters - base * clusters
-        sched = StreamKScheduler(
-            spec, grid, clusters, rank_mn, cluster, k_tiles, base, extra, Int32(0), Int32(0), sk + cluster
+        partial = Int32(cutlass.select_(waves == 0, total, total - waves * clusters))
+        most = cutlass.min(k_tiles // SK_MIN_K_TILES, SK_MAX_SLICES)
+        once = cutlass.min(clusters // cutlass.max(partial, 1), most)
+        twice = cutlass.min(2 * clusters // cutlass.max(partial, 1), most)
+        slices = Int32(cutlass.select_(2 * once < twice, twice, once))
+        sk = Int32(cutlass.select_(slices > 1, partial, 0))
+        return StreamKScheduler(
+            spec, grid, clusters, rank_mn, cluster, k_tiles, sk, cutlass.max(slices, 1), total - sk, cluster
         )
-        sched._it = sched.unit_start(cluster)
-        sched._end = sched.unit_start(cluster + 1)
-        return sched
 
-    def unit_start(self, cluster: Int32) -> Int32:
-        """First stream-K k-block of `cluster`'s range (the end of the previous one's)."""
-        return cluster * self.base + cutlass.min(cluster, self.extra)
-
-    def owner(self, it: Int32) -> Int32:
-        """The cluster whose range holds stream-K k-block `it`."""
-        wide = self.extra * (self.base + 1)
-        return Int32(cutlass.select_(
-            it < wide, it // (self.base + 1), self.extra + (it - wide) // cutlass.max(self.base, 1)
-        ))
-
-    def contributors(self, unit_tile: Int32) -> tuple[Int32, Int32]:
-        """(first, last) cluster whose units cover stream-K tile `unit_tile`."""
-        first = unit_tile * self.k_tiles
-        return self.owner(first), self.owner(first + self.k_tiles - 1)
-
-    def slot(self, cluster: Int32, unit_tile: Int32) -> Int32:
-        """Partial slot of `cluster`'s unit in stream-K tile `unit_tile`, in
-        cluster tiles: its first unit's, or its last's when its range began
-        in an earlier tile."""
-        later = self.unit_start(cluster) < unit_tile * self.k_tiles
-        return 2 * cluster + Int32(cutlass.select_(later, 1, 0))
-
-    def _unit_end(self) -> Int32:
-        """Where the current unit ends: the end of its tile or of the range."""
-        return cutlass.min(self._end, (self._it // self.k_tiles + 1) * self.k_tiles)
+    def slot(self, s: Int32, unit_tile: Int32) -> Int32:
+        """Partial slot, in cluster tiles, of slice `s` of stream-K tile `unit_tile`: its unit's index."""
+        return s * self.sk + unit_tile
 
     def _work(self) -> StreamKWork:
-        in_sk = self._it < self._end
-        unit_tile = self._it // self.k_tiles
-        k_start = self._it - unit_tile * self.k_tiles
-        idx = Int32(cutlass.select_(in_sk, unit_tile, self._idx))
+        unit = self._idx - self.dp
+        in_sk = unit >= 0
+        sk = cutlass.max(self.sk, 1)
+        unit_tile = unit % sk
+        s = unit // sk
+        k_start = s * self.k_tiles // self.slices
+        k_end = (s + 1) * self.k_tiles // self.slices
+        idx = Int32(cutlass.select_(in_sk, self.dp + unit_tile, self._idx))
         cl_m, cl_n, l = decode_tile(idx, self.grid, self.spec.swizzle, self.spec.raster_m)
         return StreamKWork(
             self._cta_tile(cl_m, cl_n, l),
-            idx < self.grid.count,
+            unit < self.sk * self.slices,
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, k_start, 0)),
-            cute.arch.make_warp_uniform(cutlass.select_(in_sk, self._unit_end() - self._it, self.k_tiles)),
+            cute.arch.make_warp_uniform(cutlass.select_(in_sk, k_end - k_start, self.k_tiles)),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, unit_tile, -1)),
+            cute.arch.make_warp_uniform(cutlass.select_(in_sk, s, 0)),
         )
 
     def advance(self) -> StreamKWork:
-        """The next unit of this cluster's range, then its next data-parallel tile."""
-        in_sk = self._it < self._end
-        self._it = Int32(cutlass.select_(in_sk, self._unit_end(), self._it))
-        self._idx = Int32(cutlass.select_(in_sk, self._idx, self._idx + self.num_clusters))
+        """This cluster's next whole tile, then its units."""
+        self._idx = self._idx + self.num_clusters
         return self._work()

@@ -400,10 +400,11 @@ def test_split_k_correct(cfg, layout):
     _check(cfg, layout, SPLIT_K_SHAPES)
 
 
-# Stream-K: fewer tiles than SMs (every tile shared, units of a few k-blocks),
-# a partial last wave (27B o at M = 512: 168 tiles of 128 x 128 on 132 SMs),
-# a partial wave too small for units alone (a full wave joins it), whole waves
-# (no unit at all), K of one k-block, ragged edges; run back to back on one
+# Stream-K: fewer tiles than SMs (every tile in K slices), a partial last
+# wave in one round of slices or two (27B o at M = 512: 168 tiles of 128 x
+# 128 on 132 SMs, the last 36 in seven slices of 9 or 10 k-blocks), up to
+# eight slices a tile, partial waves too large to split and whole waves (no
+# unit at all), K of one k-block, ragged edges; run back to back on one
 # scratch buffer, so a semaphore left set would break the next shape.
 STREAM_K_CONFIGS = [
     GemmConfig(scheduler=SK),

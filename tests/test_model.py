@@ -339,13 +339,24 @@ def test_stream_k_spreads_one_tile_row_over_every_sm(tile_n):
     assert t_sk > t_static * tiles / 132
 
 
-def test_stream_k_units_lose_l2_reuse_of_shared_panels():
-    # 27B down at M = 512, 128x192: four tile rows share every B panel (231
-    # MB, far over L2); units at staggered k-blocks each stream it from DRAM.
-    # Measured on the H100: 0.488 ms stream-K against 0.178 ms static.
+def test_stream_k_is_static_where_no_partial_wave_splits():
+    # 27B down at M = 512, 128x192: 112 tiles, fewer than the 132 SMs but
+    # more than half, so two slices a tile would not fit one round: every
+    # tile runs whole, as static_persistent runs it.
     p = Problem(512, 5376, 21504)
     static = sm90("static_persistent", tile_n=192)
-    assert predict_ms(p, replace(static, scheduler="stream_k"), H100) > 1.3 * predict_ms(p, static, H100)
+    t_sk = predict_ms(p, replace(static, scheduler="stream_k"), H100)
+    assert t_sk == pytest.approx(predict_ms(p, static, H100), rel=0.01)
+
+
+def test_stream_k_fills_the_partial_wave():
+    # 27B down at M = 2896, 128x224: 552 tiles, 4.18 waves. Static runs five
+    # rounds of whole tiles; stream-K four, then the last 24 tiles in five
+    # slices on 120 SMs.
+    p = Problem(2896, 5376, 21504)
+    static = sm90("static_persistent", tile_n=224, stages=4)
+    t_sk = predict_ms(p, replace(static, scheduler="stream_k"), H100)
+    assert t_sk < 0.9 * predict_ms(p, static, H100)
 
 
 @pytest.mark.parametrize("shape, tile_n, most", [
@@ -368,14 +379,54 @@ def test_stream_k_gains_nothing_where_the_waves_are_whole(shape, tile_n, most):
 
 
 def test_stream_k_splits_the_partial_wave_as_the_kernel_does():
-    from tuner.model import SK_MIN_K_TILES, _stream_k_tiles
+    from tuner.model import SK_MAX_SLICES, SK_MIN_K_TILES, _stream_k_plan
 
     schedulers = pytest.importorskip("kernels.schedulers")
-    assert SK_MIN_K_TILES == schedulers.SK_MIN_K_TILES
-    assert _stream_k_tiles(168, 64, 132) == 36          # the partial wave
-    assert _stream_k_tiles(140, 4, 132) == 140          # 8 x 4 k-blocks: a wave more
-    assert _stream_k_tiles(264, 64, 132) == 0           # whole waves: data-parallel
-    assert _stream_k_tiles(84, 64, 132) == 84           # fewer tiles than clusters
+    assert (SK_MIN_K_TILES, SK_MAX_SLICES) == (schedulers.SK_MIN_K_TILES, schedulers.SK_MAX_SLICES)
+    assert _stream_k_plan(552, 336, 132) == (24, 5)     # 24 x 5 units on 132 workers
+    assert _stream_k_plan(168, 64, 132) == (36, 7)      # 36 x 7 = 252: two rounds end sooner than 36 x 3
+    assert _stream_k_plan(84, 64, 132) == (84, 3)       # fewer tiles than workers: every tile
+    assert _stream_k_plan(20, 336, 132) == (20, 6)      # six slices: 120 units (seven would be 140)
+    assert _stream_k_plan(4, 336, 132) == (4, SK_MAX_SLICES)
+    assert _stream_k_plan(140, 24, 132) == (8, 3)       # units of SK_MIN_K_TILES k-blocks at least
+    assert _stream_k_plan(140, 4, 132) == (0, 1)        # k-blocks too few to split
+    assert _stream_k_plan(264, 64, 132) == (0, 1)       # whole waves: data-parallel
+    assert _stream_k_plan(384, 336, 132) == (0, 1)      # 120 of 132: two slices would not fit
+
+
+def _units(tiles: int, kblocks: int, workers: int) -> dict[int, list[tuple[int, int, int]]]:
+    """Worker -> its stream-K units (tile, first k-block, k-blocks), as the
+    kernel's scheduler walks them after its whole tiles."""
+    from tuner.model import _stream_k_plan
+
+    sk, slices = _stream_k_plan(tiles, kblocks, workers)
+    out = {}
+    for u in range(sk * slices):
+        t, s = u % sk, u // sk
+        lo, hi = s * kblocks // slices, (s + 1) * kblocks // slices
+        out.setdefault(u % workers, []).append((tiles - sk + t, lo, hi - lo))
+    return out
+
+
+@pytest.mark.parametrize("tiles, kblocks, workers", [
+    (552, 336, 132), (168, 64, 132), (84, 64, 132), (20, 336, 132), (4, 336, 132), (140, 24, 132),
+    (7, 81, 66), (200, 100, 66), (67, 17, 66), (1, 64, 132), (133, 83, 132),
+])
+def test_stream_k_units_cover_every_k_block_once_and_fit_two_slots(tiles, kblocks, workers):
+    from tuner.model import SK_MIN_K_TILES
+
+    units = _units(tiles, kblocks, workers)
+    covered = sorted((t, k) for us in units.values() for t, lo, n in us for k in range(lo, lo + n))
+    sk = len({t for us in units.values() for t, _, _ in us})
+    assert covered == [(t, k) for t in range(tiles - sk, tiles) for k in range(kblocks)]
+    # A worker parks at most two partials (its scratch slots), each unit long enough to be worth one.
+    assert all(len(us) <= 2 for us in units.values())
+    assert all(n >= SK_MIN_K_TILES for us in units.values() for _, _, n in us)
+    # Units of one round start at one k-block per slice: the same for every tile.
+    if units:
+        sk_tiles = range(tiles - sk, tiles)
+        starts = {t: sorted(lo for us in units.values() for tt, lo, _ in us if tt == t) for t in sk_tiles}
+        assert len({tuple(v) for v in starts.values()}) == 1
 
 
 def test_stream_k_predictions_are_finite_and_positive():

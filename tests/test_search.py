@@ -287,12 +287,9 @@ def test_first_picks_of_27b_o_at_512_try_the_wave_filling_width():
 def test_picks_try_stream_k_where_the_best_tiles_leave_a_partial_wave():
     from tuner.model import predict_ms
 
-    # 27B down at M = 128: one row of 21 to 42 tiles on 132 SMs; stream-K
-    # gives every SM a share of the 336 k-blocks (measured on the H100,
-    # 128x256: 0.122 ms against 0.197 ms static).
-    # Widths in steps of 8 give this key one-wave tiles too (64x120: 90
-    # tiles), which the model ranks first; stream-K stays among the picks.
-    partial = Key("sm90", "dev", Problem(128, 5376, 21504))
+    # 27B down at M = 2896: 128x224 tiles make 4.18 waves; stream-K cuts
+    # the last 24 tiles into five slices each, on 120 of the 132 SMs.
+    partial = Key("sm90", "dev", Problem(2896, 5376, 21504))
     picks = model_picks(partial)
     assert any(c.stream_k for c in picks)
     # Over whole waves stream-K deals the tiles as static does (the same

@@ -218,9 +218,11 @@ CALIBRATION_BOUNDS = {
 }
 # Per-tile cost of the static scheduler's index arithmetic.
 STATIC_NEXT_US = 0.02
-# Fewest k-blocks a stream-K unit is given (kernels.schedulers.SK_MIN_K_TILES,
-# not imported: that module needs the CUTLASS DSL, the model does not).
+# Fewest k-blocks a stream-K unit is given and most slices a stream-K tile
+# is cut into (kernels.schedulers.SK_MIN_K_TILES and SK_MAX_SLICES, not
+# imported: that module needs the CUTLASS DSL, the model does not).
 SK_MIN_K_TILES = 8
+SK_MAX_SLICES = 8
 # Bytes of one fp32 accumulator, as stream-K's partial tiles hold it.
 ACC_BYTES = 4
 # Per sm90 epilogue sub-tile: two named barriers of the consumer warpgroups
@@ -720,99 +722,57 @@ def _ends(plan: _Plan, busy: np.ndarray, start: float, ideal: float):
 
 
 def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start: float, ideal: float):
-    """Stream-K (`kernels.schedulers.StreamKScheduler`): the k-blocks of the
-    first `sk` tiles split as evenly as integers allow over the W workers,
-    worker c's range [lo, hi) first, then its data-parallel tiles sk + c,
-    sk + c + W, ... as `_static` deals them.
+    """Stream-K (`kernels.schedulers.StreamKScheduler`): the whole waves
+    dealt as `_static` deals them, then the partial wave's `sk` tiles cut
+    into `slices` K slices, unit u (slice u // sk of tile u % sk) to worker
+    u mod W.
 
-    A range covers whole tiles (each stored as a static tile is) and, at
-    either end, part of a tile it shares with its neighbours: every
-    contributor parks its fp32 partial and arrives on the tile's semaphore.
-    The tile's first contributor (its range ends inside the tile) is taken
-    to arrive last: the last contributor began its range there, any between
-    end theirs about together with it. It reads the others' partials and
-    stores the tile. Partials are not counted as DRAM traffic: they are read
-    back soon after they are written, from a scratch of two CTA tiles per
-    CTA of the grid, which L2 holds.
+    Every unit parks its fp32 partial and arrives on its tile's semaphore.
+    The units of one round start together and are as long, so the tile's
+    last slice is taken to arrive last: it reads the other slices' partials
+    and stores the tile. Partials are not counted as DRAM traffic: they are
+    read back soon after they are written, from a scratch of two CTA tiles
+    per CTA of the grid, which L2 holds. Units of one slice read the same
+    k-blocks at the same time, so their operands' L2 reuse is that of a
+    data-parallel wave (`_segment`'s).
     """
     kblocks = _cdiv(p.k, TILE_K)
     w = plan.workers
-    sk = _stream_k_tiles(plan.tiles, kblocks, w)
+    sk, slices = _stream_k_plan(plan.tiles, kblocks, w)
     (s,) = plan.segments  # stream-K is never grouped
     dp = _dealt((replace(s, tiles=plan.tiles - sk),), w, cfg, dev)
     if not sk:
         return _ends(plan, dp, start, ideal)
     ids = np.arange(w)
-    # base >= 1: the grid is never larger than the stream-K k-blocks.
-    base, extra = divmod(sk * kblocks, w)
-    lo = ids * base + np.minimum(ids, extra)
-    hi = lo + base + (ids < extra)
-    first_tile, last_tile = lo // kblocks, (hi - 1) // kblocks
-    units = last_tile - first_tile + 1
-    head = lo % kblocks != 0    # the first unit ends a tile an earlier range began
-    tail = hi % kblocks != 0    # the last unit begins a tile a later range ends
-    inside = head & tail & (units == 1)  # one unit in the middle of a tile
-    shared = head.astype(int) + tail - inside
-    reduces = tail & ~inside
-    # The reducer's tile runs to k-block tile_end, in the range of its last contributor.
-    tile_end = (last_tile + 1) * kblocks - 1
-    wide = extra * (base + 1)
-    owner = np.where(tile_end < wide, tile_end // (base + 1), extra + (tile_end - wide) // base)
-    # Every worker parks its partials, about together; only the reducers
-    # read them back. A CTA moves its own CTA tile's share.
+    units = _strided(sk * slices, ids, w)
+    # Workers holding a tile's last slice, and how many such tiles each.
+    reduces = _strided(sk * slices, ids, w) - _strided(sk * (slices - 1), ids, w)
     partial = cfg.cta_tile_m * cfg.tile_n * ACC_BYTES
-    write = partial / _sm_l2_bw(dev, plan.free_workers * cfg.cluster_size) * 1e6
-    read = partial / _sm_l2_bw(dev, max(1, int(reduces.sum())) * cfg.cluster_size) * 1e6
+    write = partial / _sm_l2_bw(dev, min(sk * slices, plan.free_workers) * cfg.cluster_size) * 1e6
+    read = partial / _sm_l2_bw(dev, sk * cfg.cluster_size) * 1e6
     exposed = _exposed_epilogue(cfg, s, dev)
     busy = (
-        (hi - lo) * _unit_kblock_us(p, cfg, dev, plan, s.mainloop / kblocks) + units * STATIC_NEXT_US
-        + (units - shared) * exposed
-        + shared * (write + dev.semaphore_us)
-        + reduces * ((owner - ids) * read + exposed)
+        dp + units * (s.mainloop / slices + STATIC_NEXT_US + write + dev.semaphore_us)
+        + reduces * ((slices - 1) * read + exposed)
+        # A reducer's store is its last: it drains after the loop.
+        + (reduces > 0) * (s.epilogue - exposed)
     )
-    # A worker's last store drains after its loop: its last data-parallel
-    # tile's (in `dp`), else that of its range's last unit, if that stored.
-    stored_last = ~tail | reduces
-    busy += np.where(dp > 0, dp, stored_last * (s.epilogue - exposed))
     return _ends(plan, busy, start, ideal)
 
 
-def _unit_kblock_us(p: Problem, cfg: GemmConfig, dev: DeviceModel, plan: _Plan, kblock_us: float) -> float:
-    """Time of one k-block of a stream-K unit.
-
-    Ranges start at staggered k-blocks, so the tiles that share an operand
-    panel no longer read it at about the same time: an operand that L2 does
-    not hold whole is streamed from DRAM by every unit that reads it.
-    Measured on the H100 (`bench.sm90_variants`): 27B down at M = 512 with
-    128x192 tiles, every tile in units, 0.49 ms against 0.18 ms
-    data-parallel; at M = 128 (one tile row, B shared by nobody) units cost
-    no more than whole tiles.
-    """
-    e = DTYPE_BYTES[p.dtype_in]
-    l2 = L2_RESIDENT_SHARE * dev.l2_bytes
-    (cm, cn), m, n = cfg.cluster_tile, p.m, p.n
-    rows, cols = min(cm, m), min(cn, n)
-    # An A panel is shared by the tiles of its row, a B panel by those of its column.
-    a_lost = _cdiv(n, cn) > 1 and m * p.k * e > l2
-    b_lost = _cdiv(m, cm) > 1 and n * p.k * e > l2
-    if not (a_lost or b_lost):
-        return kblock_us
-    streamed = rows * a_lost + cols * b_lost
-    dram_us = plan.free_workers * streamed * TILE_K * e / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
-    return max(kblock_us, dram_us)
-
-
-def _stream_k_tiles(tiles: int, kblocks: int, workers: int) -> int:
-    """Tiles whose k-blocks stream-K splits over its `workers`: every tile
-    when there are fewer than workers, none in whole waves, else the partial
-    wave's, with one full wave more where the partial wave alone would give
-    units under SK_MIN_K_TILES."""
+def _stream_k_plan(tiles: int, kblocks: int, workers: int) -> tuple[int, int]:
+    """(sk, slices), as `kernels.schedulers.StreamKScheduler` plans a launch:
+    the partial wave's tiles (every tile when there are fewer than workers)
+    cut into the most K slices that fill the workers once, or twice where
+    that ends the wave sooner, each of SK_MIN_K_TILES k-blocks or more and
+    at most SK_MAX_SLICES; (0, 1) where fewer than two slices would do."""
     waves, rest = divmod(tiles, workers)
-    if waves == 0:
-        return tiles
-    if rest == 0:
-        return 0
-    return rest + workers if rest * kblocks < workers * SK_MIN_K_TILES else rest
+    partial = rest if waves else tiles
+    most = min(kblocks // SK_MIN_K_TILES, SK_MAX_SLICES)
+    once = min(workers // max(partial, 1), most)
+    twice = min(2 * workers // max(partial, 1), most)
+    slices = twice if 2 * once < twice else once
+    return (partial, slices) if slices > 1 and partial else (0, 1)
 
 
 def _strided(x: int, ids: np.ndarray, w: int) -> np.ndarray:

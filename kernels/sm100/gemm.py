@@ -701,8 +701,8 @@ class _Epilogue:
 class _SharedUnit:
     """A stream-K unit as the epilogue reduces it: whether it shares its tile
     (covers fewer than all of its k-blocks), the tile's semaphore, the
-    clusters lo .. hi-1 whose units cover the tile and this CTA's cluster
-    `me`. A unit that covers its whole tile has lo == hi: it adds nothing."""
+    slices lo .. hi-1 whose units cover the tile and this unit's slice `me`.
+    A unit that covers its whole tile has lo == hi: it adds nothing."""
 
     shared: cutlass.Boolean
     scratch: PartialScratch
@@ -716,17 +716,16 @@ class _SharedUnit:
     def of(work, sched, scratch: PartialScratch, k_tiles, cluster_mn) -> "_SharedUnit":
         """The unit of `work`, read before `sched` advances past it."""
         shared = work.k_tiles < k_tiles
-        first, last = sched.contributors(work.unit_tile)
-        lo = cutlass.Int32(cutlass.select_(shared, first, 0))
-        hi = cutlass.Int32(cutlass.select_(shared, last + 1, 0))
+        hi = cutlass.Int32(cutlass.select_(shared, sched.slices, 0))
         m, n, _ = work.tile
         return _SharedUnit(
-            shared, scratch, scratch.tile_id(m, n), lo, hi, sched.cluster, UnitSlots(sched, work.unit_tile, cluster_mn)
+            shared, scratch, scratch.tile_id(m, n), cutlass.Int32(0), hi, work.slice,
+            UnitSlots(sched, work.unit_tile, cluster_mn),
         )
 
-    def partial(self, cluster, values: int, threads: int) -> cute.Tensor:
-        """The (value, thread) partial of `cluster`'s unit in this tile."""
-        return self.scratch.partial(self.slots(cluster), values, threads)
+    def partial(self, s, values: int, threads: int) -> cute.Tensor:
+        """The (value, thread) partial of slice `s`'s unit in this tile."""
+        return self.scratch.partial(self.slots(s), values, threads)
 
 
 @cute.jit

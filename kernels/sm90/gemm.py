@@ -397,10 +397,9 @@ class Sm90GemmKernel:
             elif const_expr(self.sched.stream_k):
                 whole = work.k_tiles == k_tiles
                 if not whole:
-                    first, last = sched.contributors(work.unit_tile)
                     slots = UnitSlots(sched, work.unit_tile, self.cluster_mn)
-                    whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), first, last + 1,
-                                                  sched.cluster, slots, mma_tidx, epi.bar)
+                    whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), Int32(0), sched.slices,
+                                                  work.slice, slots, mma_tidx, epi.bar)
                 if whole:
                     subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
             else:
@@ -474,8 +473,8 @@ class Sm90GemmKernel:
 
     @cute.jit
     def _reduce_partials(self, scratch: PartialScratch, acc, tile_id, lo, hi, me, slots, mma_tidx, bar) -> Boolean:
-        """Fixup of one tile shared by contributors lo .. hi-1 (K slices, or
-        stream-K clusters), this CTA being `me`: whether `acc` now holds the
+        """Fixup of one tile shared by contributors lo .. hi-1 (K slices of
+        split-K or of stream-K), this CTA being `me`: whether `acc` now holds the
         whole sum. `slots(i)` is contributor i's partial slot.
 
         Each contributor parks its partial and arrives on the tile's
