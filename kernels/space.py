@@ -84,7 +84,7 @@ SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
 # scratch buffer: the dynamic scheduler's two counters, one arrival semaphore
 # per CTA tile, then, from a 128-byte boundary, the fp32 partial CTA tiles:
 # one per (CTA tile, K slice) for split-K, two per CTA of the persistent grid
-# for stream-K (a cluster's range parks at most its first and its last unit).
+# for stream-K (a cluster runs at most two units, each parked in its own slot).
 SPLIT_K_COUNTERS = 2
 _SPLIT_K_PARTIALS_ALIGN = 32
 # Activation rows a swap_ab tile holds at most (its tile_n).
@@ -434,9 +434,8 @@ def validate(cfg: GemmConfig) -> None:
         raise InvalidConfig("split-K is for small-M keys: tile_m must be 64 or 128")
     # sm90 stream-K reduces in registers, as split-K does, and takes 256 rows
     # too (two warpgroups of 128: as many accumulators a thread as 128x256),
-    # so that a 2x1 cluster covers M = 512 and reads each B panel once: units
-    # at staggered k-blocks lose the L2 reuse of panels several tile rows
-    # share. Not 192 rows: three warpgroups hold 96 accumulators at most.
+    # so that a 2x1 cluster covers M = 512 and reads each B panel once. Not
+    # 192 rows: three warpgroups hold 96 accumulators at most.
     # sm100 stream-K reduces from TMEM one epilogue subtile at a time, each
     # CTA its own rows: its CTA tiles are never over 128 rows, and the pair
     # of a 2-CTA MMA splits a 256-row tile.
