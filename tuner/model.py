@@ -32,12 +32,12 @@ A prediction has three layers:
    paying a CTA start and an unhidden epilogue. Uniform-cost runs of tiles
    are assigned in closed form (exact for greedy earliest-free assignment);
    only claims made ahead of time (`sched_depth` > 1, seed 000's warning) on
-   few-wave problems need the tile-by-tile event simulation. Stream-K splits
-   the k-blocks of the tiles a static walk would leave in a partial wave
-   evenly over the workers (each cluster's range first, then its data-
-   parallel tiles as static persistent deals them); the clusters that share
-   a tile each park an fp32 partial and arrive on a semaphore, and the last
-   to arrive reads the others' partials and stores the tile.
+   few-wave problems need the tile-by-tile event simulation. Stream-K deals
+   the whole waves as static persistent does, then cuts the tiles a static
+   walk would leave in a partial wave into K slices, one or two a worker;
+   the slices of a tile each park an fp32 partial and arrive on a
+   semaphore, and the last to arrive reads the others' partials and stores
+   the tile.
 3. The launch: kernel launch overhead, SMs held by another kernel
    (`Problem.carveout`, seed 003), phantom clusters of a worst-case padded
    CLC or single-tile grid (seed 002) with or without tail cancellation, and
