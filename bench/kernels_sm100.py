@@ -110,9 +110,11 @@ def ptx_checks(v: kc.Variant, k: kc.OfflineKernel) -> dict[str, bool]:
         "try_cancel multicast iff cluster > 1": sum("multicast::cluster::all" in t for t in try_cancels)
         == (1 if clc and cfg.cluster_size > 1 else 0),
         "query_cancel exactly in clc": ("clusterlaunchcontrol.query_cancel" in k.ptx) == clc,
-        "atom.global.add exactly in dynamic_persistent": ("atom.global.add" in k.ptx)
-        == (cfg.scheduler == "dynamic_persistent"),
-        "threads per CTA": threads is not None and int(threads.group(1)) == _THREADS[cfg.dynamic],
+        # The claim counter's relaxed add: the atomic scheduler's and stream-K's.
+        "atom.global.add exactly in dynamic_persistent and stream_k": ("atom.global.add" in k.ptx)
+        == (cfg.scheduler in ("dynamic_persistent", "stream_k")),
+        "threads per CTA": threads is not None
+        and int(threads.group(1)) == _THREADS[cfg.dynamic or cfg.stream_k],
         "registers known": k.registers is not None and 0 < k.registers <= 255,
         "smem within the space's budget": k.smem_bytes <= space.smem_bytes(cfg, v.dtype_in),
     }

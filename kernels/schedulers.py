@@ -12,9 +12,9 @@ indices a cluster visits:
 - ``static_persistent``: grid = the clusters that fit on the device at once;
   cluster c visits c, c + grid, c + 2 grid, ...
 - ``stream_k`` (Osama et al., PPoPP 2023; CUTLASS's stream-K scheduler): a
-  persistent grid whose full waves of tiles are dealt as in
-  ``static_persistent``, while the tiles that would make a partial wave are
-  cut into K slices of equal k-block counts, one or two per cluster, so that
+  persistent grid whose full waves of tiles are claimed as in
+  ``dynamic_persistent``, while the tiles that would make a partial wave are
+  cut into K slices of equal k-block counts, claimed after them, so that
   the last wave keeps every SM busy; the clusters that share a tile reduce
   their partial accumulators in the kernel (`StreamKScheduler`).
 - ``dynamic_persistent``: cluster c starts at c; afterwards the scheduler warp
@@ -111,7 +111,8 @@ class SchedulerSpec:
 
     @property
     def dynamic(self) -> bool:
-        return self.kind == "dynamic_persistent"
+        """Whether a cluster's work after its first comes from the claim counter."""
+        return self.kind in ("dynamic_persistent", "stream_k")
 
     @property
     def stream_k(self) -> bool:
@@ -331,7 +332,7 @@ class TileScheduler:
         """The schedule as seen from the calling CTA (grid laid out by
         `SchedulerSpec.grid_shape`); stream-K also needs a tile's k-blocks."""
         if const_expr(spec.stream_k):
-            return StreamKScheduler.create(spec, grid, k_tiles)
+            return StreamKScheduler.create(spec, grid, ring, k_tiles)
         cm, cn = spec.cluster_mn
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
@@ -386,6 +387,10 @@ class TileScheduler:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(self._ring.request)
 
+    def work_count(self) -> Int32:
+        """Work indices of the launch: claims run up to it."""
+        return self.grid.count
+
     def _at(self, idx: Int32) -> WorkTile:
         """The work that index `idx` gives this CTA, decoded as this scheduler decodes."""
         return type(self)(self.spec, self.grid, self.num_clusters, self.rank_mn, idx, None, None)._work()
@@ -415,7 +420,7 @@ class TileScheduler:
         if const_expr(self.spec.dynamic):
             if cute.arch.block_idx_in_cluster() == 0:
                 lane = cute.arch.lane_idx()
-                total = self.grid.count
+                total = self.work_count()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.spec.depth)
                 # A cluster launched past the work (a grid sized before the
                 # work is known on device) claims nothing: no role would
@@ -483,44 +488,50 @@ class StreamKWork(WorkTile):
 class StreamKScheduler(TileScheduler):
     """Stream-K over a persistent grid of P clusters (T tiles of KI k-blocks).
 
-    The whole waves come first, dealt as ``static_persistent`` deals them:
-    every cluster starts its tiles together, so the tiles that share an
-    operand panel read it at about the same time and L2 serves it once.
-    The partial wave's ``sk`` tiles (every tile when T < P) follow, each cut
-    into S slices of KI / S k-blocks: unit u is slice u // sk of tile u % sk,
-    and cluster c takes units c and c + P. Units of one slice start at the
-    same k-block, so the partial wave keeps that reuse; contiguous ranges of
-    k-blocks over the tiles (the paper's split) start every unit at another
-    k-block and stream each panel from DRAM once per unit (27B down at
-    M = 2048, 128x224 tiles: the units ran 3.5x slower a k-block than whole tiles).
+    Work index i below dp = T - sk is whole tile i; from dp on, index
+    dp + u is unit u: slice u // sk of the partial wave's tile dp + u % sk
+    (with fewer tiles than clusters every tile is in slices), each slice
+    KI / S k-blocks. Clusters take indices as ``dynamic_persistent`` does
+    (cluster c starts at c, then claims the next), so the units go to the
+    clusters that finish their whole tiles first: dealt statically, the
+    SMs that ran slower tiles ended 100 us behind the rest (27B down at
+    M = 2896, 128x224 tiles, after four whole waves of about 205 us).
 
-    S is the most slices the partial wave's tiles fill the grid with, once
-    (R = 1) or twice (R = 2, where that makes the partial wave shorter:
-    2 / S2 < 1 / S1), each unit keeping `SK_MIN_K_TILES` k-blocks and S at
+    Units of one slice start at about the same time at the same k-block, so
+    the tiles that share an operand panel read it together and L2 serves it
+    once. Contiguous ranges of k-blocks over the tiles (the paper's split)
+    start every unit at another k-block and stream each panel from DRAM once
+    per unit (27B down at M = 2048, 128x224 tiles: the units ran 3.5x slower
+    a k-block than whole tiles).
+
+    S is the most slices the partial wave's tiles fill the grid with once
+    (R = 1), or twice (R = 2) where that makes the partial wave shorter
+    (2 / S2 < 1 / S1), each unit keeping `SK_MIN_K_TILES` k-blocks and S at
     most `SK_MAX_SLICES`; with S < 2 there is nothing to gain and every tile
-    is whole. Unit u parks in partial slot u, so a cluster owns two slots.
+    is whole. Unit u parks in partial slot u: at most 2P slots, two per
+    cluster of the grid.
     """
 
-    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, sk, slices, dp, idx):
-        super().__init__(spec, grid, num_clusters, rank_mn, idx, None, None)
+    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, sk, slices, dp, idx, ring, state):
+        super().__init__(spec, grid, num_clusters, rank_mn, idx, ring, state)
         self.cluster = cluster
         self.k_tiles = k_tiles
         self.sk = sk
         self.slices = slices
         self.dp = dp
 
-    def __extract_mlir_values__(self) -> list:
-        return cutlass.extract_mlir_values([self._idx])
-
-    def __new_from_mlir_values__(self, values: list) -> "StreamKScheduler":
-        (idx,) = cutlass.new_from_mlir_values([self._idx], values)
+    def _with(self, idx, ring, state) -> "StreamKScheduler":
         return StreamKScheduler(
             self.spec, self.grid, self.num_clusters, self.rank_mn, self.cluster, self.k_tiles, self.sk,
-            self.slices, self.dp, idx,
+            self.slices, self.dp, idx, ring, state,
         )
 
+    def __new_from_mlir_values__(self, values: list) -> "StreamKScheduler":
+        base = TileScheduler.__new_from_mlir_values__(self, values)
+        return self._with(base._idx, self._ring, base._state)
+
     @staticmethod
-    def create(spec: SchedulerSpec, grid: TileGrid, k_tiles: Int32) -> "StreamKScheduler":
+    def create(spec: SchedulerSpec, grid: TileGrid, ring: ClaimRing | None, k_tiles: Int32) -> "StreamKScheduler":
         cm, _ = spec.cluster_mn
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
@@ -536,13 +547,23 @@ class StreamKScheduler(TileScheduler):
         twice = cutlass.min(2 * clusters // cutlass.max(partial, 1), most)
         slices = Int32(cutlass.select_(2 * once < twice, twice, once))
         sk = Int32(cutlass.select_(slices > 1, partial, 0))
+        state = None
+        if const_expr(ring is not None):
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
         return StreamKScheduler(
-            spec, grid, clusters, rank_mn, cluster, k_tiles, sk, cutlass.max(slices, 1), total - sk, cluster
+            spec, grid, clusters, rank_mn, cluster, k_tiles, sk, cutlass.max(slices, 1), total - sk, cluster,
+            ring, state,
         )
+
+    def work_count(self) -> Int32:
+        return self.dp + self.sk * self.slices
 
     def slot(self, s: Int32, unit_tile: Int32) -> Int32:
         """Partial slot, in cluster tiles, of slice `s` of stream-K tile `unit_tile`: its unit's index."""
         return s * self.sk + unit_tile
+
+    def _at(self, idx: Int32) -> StreamKWork:
+        return self._with(idx, None, None)._work()
 
     def _work(self) -> StreamKWork:
         unit = self._idx - self.dp
@@ -556,14 +577,9 @@ class StreamKScheduler(TileScheduler):
         cl_m, cl_n, l = decode_tile(idx, self.grid, self.spec.swizzle, self.spec.raster_m)
         return StreamKWork(
             self._cta_tile(cl_m, cl_n, l),
-            unit < self.sk * self.slices,
+            self._idx < self.work_count(),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, k_start, 0)),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, k_end - k_start, self.k_tiles)),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, unit_tile, -1)),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, s, 0)),
         )
-
-    def advance(self) -> StreamKWork:
-        """This cluster's next whole tile, then its units."""
-        self._idx = self._idx + self.num_clusters
-        return self._work()

@@ -51,9 +51,10 @@ def checks(v: kc.Variant, k: kc.OfflineKernel) -> dict[str, bool]:
     atomics = _lines_with(k.ptx, "atom.global")
     return {
         **ptx_checks(v, k),
-        # The tile's semaphore, the only global atomic of stream-K (it claims nothing).
-        "stream_k: one atom.global, acq_rel": not cfg.stream_k
-        or len(atomics) == 1 and "atom.global.acq_rel.add" in atomics[0],
+        # Stream-K's global atomics: the claim counter's relaxed add and, with
+        # acq_rel, the finished clusters' count and the tile's semaphore.
+        "stream_k: a claim and two acq_rel atomics": not cfg.stream_k
+        or len(atomics) == 3 and sum("atom.global.acq_rel.add" in a for a in atomics) == 2,
         # Partials are parked before the arrival and read after it.
         "fence.acq_rel.gpu exactly in stream_k": ("fence.acq_rel.gpu" in k.ptx) == cfg.stream_k,
         "no atom.global unless stream_k or dynamic": cfg.stream_k or cfg.dynamic or not atomics,
@@ -110,8 +111,8 @@ def test_checks_catch_a_wrong_scheduler(offline):
     as_stream_k = kc.Variant(GemmConfig(**{**v.cfg.to_dict(), "scheduler": "stream_k"}), v.dtype_in, v.dtype_out,
                              v.layout)
     got = checks(as_stream_k, offline[static])
-    assert not got["stream_k: one atom.global, acq_rel"] and not got["fence.acq_rel.gpu exactly in stream_k"]
-    # A stream-K kernel's semaphore is no dynamic scheduler's claim counter.
+    assert not got["stream_k: a claim and two acq_rel atomics"] and not got["fence.acq_rel.gpu exactly in stream_k"]
+    # A stream-K kernel's atomics are no static kernel's.
     sk = next(i for i, v in enumerate(VARIANTS) if v.cfg.stream_k and v.cfg.cta_group == 1)
     v = VARIANTS[sk]
     as_static = kc.Variant(GemmConfig(**{**v.cfg.to_dict(), "scheduler": "static_persistent"}), v.dtype_in,

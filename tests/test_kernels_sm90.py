@@ -148,7 +148,8 @@ def test_configs_the_space_draws_compile_and_pass_the_checks():
 def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     assert ".target sm_90a" in k.ptx
     assert "wgmma.mma_async" in k.ptx
-    assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler == DYN)
+    # The claim counter's relaxed add: the atomic scheduler's and stream-K's.
+    assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler in (DYN, SK))
     # Split-K slices and stream-K units count themselves on a tile semaphore
     # and reduce in the kernel; nothing else touches global atomics.
     assert ("atom.global.acq_rel.add" in k.ptx) == (v.cfg.scheduler == DYN or v.cfg.reduces_partials)
@@ -158,7 +159,7 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     # register (the warpgroup's), the count one warpgroup.
     assert bool(re.search(r"bar\.sync \t%r\d+, 128;", k.ptx)) == v.cfg.pingpong
     # Only a cluster's leader claims; others receive over DSMEM.
-    assert ("st.async" in k.ptx) == (v.cfg.scheduler == DYN and v.cfg.cluster_size > 1)
+    assert ("st.async" in k.ptx) == (v.cfg.scheduler in (DYN, SK) and v.cfg.cluster_size > 1)
     assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
     # ptxas keeps every thread within its launch share of the register file.
     assert 0 < k.registers <= space.sm90_launch_registers(v.cfg)

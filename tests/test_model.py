@@ -339,14 +339,14 @@ def test_stream_k_spreads_one_tile_row_over_every_sm(tile_n):
     assert t_sk > t_static * tiles / 132
 
 
-def test_stream_k_is_static_where_no_partial_wave_splits():
+def test_stream_k_claims_whole_tiles_where_no_partial_wave_splits():
     # 27B down at M = 512, 128x192: 112 tiles, fewer than the 132 SMs but
     # more than half, so two slices a tile would not fit one round: every
-    # tile runs whole, as static_persistent runs it.
+    # tile runs whole, claimed as dynamic_persistent claims it.
     p = Problem(512, 5376, 21504)
-    static = sm90("static_persistent", tile_n=192)
-    t_sk = predict_ms(p, replace(static, scheduler="stream_k"), H100)
-    assert t_sk == pytest.approx(predict_ms(p, static, H100), rel=0.01)
+    dynamic = sm90("dynamic_persistent", tile_n=192)
+    t_sk = predict_ms(p, replace(dynamic, scheduler="stream_k"), H100)
+    assert t_sk == pytest.approx(predict_ms(p, dynamic, H100), rel=0.01)
 
 
 def test_stream_k_fills_the_partial_wave():

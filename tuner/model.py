@@ -32,9 +32,9 @@ A prediction has three layers:
    paying a CTA start and an unhidden epilogue. Uniform-cost runs of tiles
    are assigned in closed form (exact for greedy earliest-free assignment);
    only claims made ahead of time (`sched_depth` > 1, seed 000's warning) on
-   few-wave problems need the tile-by-tile event simulation. Stream-K deals
-   the whole waves as static persistent does, then cuts the tiles a static
-   walk would leave in a partial wave into K slices, one or two a worker;
+   few-wave problems need the tile-by-tile event simulation. Stream-K hands
+   out the whole waves as the atomic scheduler does, then cuts the tiles a
+   static walk would leave in a partial wave into K slices, claimed after;
    the slices of a tile each park an fp32 partial and arrive on a
    semaphore, and the last to arrive reads the others' partials and stores
    the tile.
@@ -641,7 +641,7 @@ def _schedule(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel) -> tup
     elif cfg.scheduler == "static_persistent":
         end, finish = _static(plan, cfg, dev, start, ideal)
     elif cfg.stream_k:
-        end, finish = _stream_k(plan, p, cfg, dev, start, ideal)
+        end, finish = _stream_k(plan, p, cfg, dev, start, held, late_start)
     else:
         lat = dev.clc_claim_us if cfg.scheduler == "clc" else dev.atomic_claim_us
         # An atomic worker claims its first tile too; CLC's first is blockIdx.
@@ -721,43 +721,38 @@ def _ends(plan: _Plan, busy: np.ndarray, start: float, ideal: float):
     return float(ends.max()), ends
 
 
-def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start: float, ideal: float):
-    """Stream-K (`kernels.schedulers.StreamKScheduler`): the whole waves
-    dealt as `_static` deals them, then the partial wave's `sk` tiles cut
-    into `slices` K slices, unit u (slice u // sk of tile u % sk) to worker
-    u mod W.
+def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start: float, held: int,
+              late_start: float):
+    """Stream-K (`kernels.schedulers.StreamKScheduler`): the whole tiles
+    claimed as the atomic scheduler's are, then the partial wave's `sk`
+    tiles cut into `slices` K slices, slice-major, claimed after them.
 
     Every unit parks its fp32 partial and arrives on its tile's semaphore.
-    The units of one round start together and are as long, so the tile's
-    last slice is taken to arrive last: it reads the other slices' partials
-    and stores the tile. Partials are not counted as DRAM traffic: they are
-    read back soon after they are written, from a scratch of two CTA tiles
-    per CTA of the grid, which L2 holds. Units of one slice read the same
-    k-blocks at the same time, so their operands' L2 reuse is that of a
-    data-parallel wave (`_segment`'s).
+    Units of a slice are claimed together and are as long, so a tile's last
+    slice, claimed last, is taken to arrive last: it reads the other slices'
+    partials and stores the tile. Partials are not counted as DRAM traffic:
+    they are read back soon after they are written, from a scratch of two
+    CTA tiles per CTA of the grid, which L2 holds. Units of one slice read
+    the same k-blocks at about the same time, so their operands' L2 reuse is
+    that of a data-parallel wave (`_segment`'s).
     """
     kblocks = _cdiv(p.k, TILE_K)
-    w = plan.workers
-    sk, slices = _stream_k_plan(plan.tiles, kblocks, w)
+    sk, slices = _stream_k_plan(plan.tiles, kblocks, plan.workers)
     (s,) = plan.segments  # stream-K is never grouped
-    dp = _dealt((replace(s, tiles=plan.tiles - sk),), w, cfg, dev)
-    if not sk:
-        return _ends(plan, dp, start, ideal)
-    ids = np.arange(w)
-    units = _strided(sk * slices, ids, w)
-    # Workers holding a tile's last slice, and how many such tiles each.
-    reduces = _strided(sk * slices, ids, w) - _strided(sk * (slices - 1), ids, w)
-    partial = cfg.cta_tile_m * cfg.tile_n * ACC_BYTES
-    write = partial / _sm_l2_bw(dev, min(sk * slices, plan.free_workers) * cfg.cluster_size) * 1e6
-    read = partial / _sm_l2_bw(dev, sk * cfg.cluster_size) * 1e6
+    lat = dev.atomic_claim_us
     exposed = _exposed_epilogue(cfg, s, dev)
-    busy = (
-        dp + units * (s.mainloop / slices + STATIC_NEXT_US + write + dev.semaphore_us)
-        + reduces * ((slices - 1) * read + exposed)
-        # A reducer's store is its last: it drains after the loop.
-        + (reduces > 0) * (s.epilogue - exposed)
-    )
-    return _ends(plan, busy, start, ideal)
+    free = _workers(plan.free_workers, held, start + lat, late_start)
+    free = _greedy(free, plan.tiles - sk, s.mainloop + exposed + max(0.0, lat - s.lead - exposed))
+    if sk:
+        partial = cfg.cta_tile_m * cfg.tile_n * ACC_BYTES
+        write = partial / _sm_l2_bw(dev, min(sk * slices, plan.free_workers) * cfg.cluster_size) * 1e6
+        read = partial / _sm_l2_bw(dev, sk * cfg.cluster_size) * 1e6
+        unit = s.mainloop / slices + write + dev.semaphore_us + max(0.0, lat - s.lead)
+        free = _greedy(free, sk * (slices - 1), unit)
+        free = _greedy(free, sk, unit + (slices - 1) * read + exposed)
+    # The last store drains after the loop.
+    free = free + (s.epilogue - exposed)
+    return float(free.max()), free
 
 
 def _stream_k_plan(tiles: int, kblocks: int, workers: int) -> tuple[int, int]:

@@ -6,8 +6,9 @@ C (M, N) = A (M, K) @ B, A K-major, B either (N, K) K-major ("tn") or
 Warp roles per CTA: four epilogue warps (TMEM -> registers -> smem -> TMA
 store), one MMA warp (tcgen05.mma, issued by the leader CTA of an MMA pair
 when cta_group == 2), one TMA load warp (A and B multicast across the
-cluster), and for the dynamic schedulers one scheduler warp that claims the
-next tile (atomic counter or CLC) and broadcasts it through an smem ring.
+cluster), and for the dynamic schedulers and stream-K one scheduler warp
+that claims the next tile (atomic counter or CLC) and broadcasts it
+through an smem ring.
 
 With acc_stages == 2 the accumulator is double-buffered in TMEM so the
 epilogue of one tile overlaps the mainloop of the next.
@@ -93,7 +94,8 @@ class Sm100GemmKernel:
         self.mma_warp_id = 4
         self.tma_warp_id = 5
         self.sched_warp_id = 6
-        self.has_sched_warp = cfg.dynamic
+        # Stream-K claims its work as the atomic scheduler does.
+        self.has_sched_warp = cfg.dynamic or cfg.stream_k
         # Warps that walk the schedule and so read every published tile.
         self.ring_consumer_warps = 6
         self.threads_per_cta = 32 * (self.ring_consumer_warps + int(self.has_sched_warp))
@@ -518,7 +520,7 @@ class Sm100GemmKernel:
                 self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
                 self.ring_consumer_warps, cluster_layout_vmnk,
             )
-        elif cutlass.const_expr(self.cfg.scheduler == "dynamic_persistent"):
+        elif cutlass.const_expr(self.sched.dynamic):
             ring = ClaimRing.create(
                 self.sched, storage.ring_bars.data_ptr(), storage.ring_slots.data_ptr(),
                 self.ring_consumer_warps,

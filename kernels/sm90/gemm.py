@@ -5,10 +5,11 @@ K-major ("tn", an nn.Linear weight: out = x @ W.T) or (K, N) N-major ("nn").
 
 Warp roles of a CTA: warpgroup 0 holds the TMA producer warp (A and B
 k-blocks into a `stages`-deep mbarrier ring, multicast across the cluster)
-and the scheduler warp (dynamic scheduler only); one consumer warpgroup
-(tile_m 64), two (tile_m 128: 64 rows each, 256: 128 rows each) or three
-(tile_m 192: 64 rows each) run WGMMA and the epilogue, which goes registers
--> smem -> global by TMA stores in (tile_m x `epi_subtile_n`) sub-tiles.
+and the scheduler warp (dynamic and stream-K schedulers); one consumer
+warpgroup (tile_m 64), two (tile_m 128: 64 rows each, 256: 128 rows each)
+or three (tile_m 192: 64 rows each) run WGMMA and the epilogue, which goes
+registers -> smem -> global by TMA stores in (tile_m x `epi_subtile_n`)
+sub-tiles.
 Every role walks the tiles given by `kernels.schedulers`.
 
 With pingpong consumers (CUTLASS's KernelTmaWarpSpecializedPingpong) two
