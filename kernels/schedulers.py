@@ -461,7 +461,7 @@ class TileScheduler:
 class StreamKWork(WorkTile):
     """A `WorkTile` that covers k-blocks [k_start, k_start + k_tiles) of its
     tile: slice `slice` of stream-K tile `unit_tile` (the tile's index among
-    the stream-K tiles), or a whole tile dealt data-parallel (unit_tile -1)."""
+    the stream-K tiles), or a whole tile (unit_tile -1)."""
 
     def __init__(self, tile: tuple, is_valid, k_start, k_tiles, unit_tile, slice_):
         super().__init__(tile, is_valid)
@@ -512,9 +512,8 @@ class StreamKScheduler(TileScheduler):
     cluster of the grid.
     """
 
-    def __init__(self, spec, grid, num_clusters, rank_mn, cluster, k_tiles, sk, slices, dp, idx, ring, state):
+    def __init__(self, spec, grid, num_clusters, rank_mn, k_tiles, sk, slices, dp, idx, ring, state):
         super().__init__(spec, grid, num_clusters, rank_mn, idx, ring, state)
-        self.cluster = cluster
         self.k_tiles = k_tiles
         self.sk = sk
         self.slices = slices
@@ -522,8 +521,8 @@ class StreamKScheduler(TileScheduler):
 
     def _with(self, idx, ring, state) -> "StreamKScheduler":
         return StreamKScheduler(
-            self.spec, self.grid, self.num_clusters, self.rank_mn, self.cluster, self.k_tiles, self.sk,
-            self.slices, self.dp, idx, ring, state,
+            self.spec, self.grid, self.num_clusters, self.rank_mn, self.k_tiles, self.sk, self.slices, self.dp,
+            idx, ring, state,
         )
 
     def __new_from_mlir_values__(self, values: list) -> "StreamKScheduler":
@@ -551,8 +550,7 @@ class StreamKScheduler(TileScheduler):
         if const_expr(ring is not None):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
         return StreamKScheduler(
-            spec, grid, clusters, rank_mn, cluster, k_tiles, sk, cutlass.max(slices, 1), total - sk, cluster,
-            ring, state,
+            spec, grid, clusters, rank_mn, k_tiles, sk, cutlass.max(slices, 1), total - sk, cluster, ring, state,
         )
 
     def work_count(self) -> Int32:
