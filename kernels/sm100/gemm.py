@@ -457,13 +457,13 @@ class Sm100GemmKernel:
                     cute.copy(e.t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
                     for i in cutlass.range_constexpr(values):
                         own[sub * values + i, tidx] = tTR_rAcc[i]
-                store = unit.scratch.arrive(unit.tile_id, unit.hi - unit.lo, tidx, e.bar)
+                store = unit.scratch.arrive(unit.tile_id, unit.count, tidx, e.bar)
         if store:
             for sub in cutlass.range(subtiles):
                 cute.copy(e.t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
                 if cutlass.const_expr(unit is not None):
                     # Empty unless the unit shares its tile (and arrived last).
-                    for c in cutlass.range(unit.lo, unit.hi):
+                    for c in cutlass.range(unit.count):
                         if c != unit.me:
                             other = unit.partial(c, values * subtiles, threads)
                             for i in cutlass.range_constexpr(values):
@@ -703,14 +703,13 @@ class _Epilogue:
 class _SharedUnit:
     """A stream-K unit as the epilogue reduces it: whether it shares its tile
     (covers fewer than all of its k-blocks), the tile's semaphore, the
-    slices lo .. hi-1 whose units cover the tile and this unit's slice `me`.
-    A unit that covers its whole tile has lo == hi: it adds nothing."""
+    `count` slices whose units cover the tile and this unit's slice `me`.
+    A unit that covers its whole tile has count 0: it adds nothing."""
 
     shared: cutlass.Boolean
     scratch: PartialScratch
     tile_id: cutlass.Int32
-    lo: cutlass.Int32
-    hi: cutlass.Int32
+    count: cutlass.Int32
     me: cutlass.Int32
     slots: UnitSlots
 
@@ -718,11 +717,10 @@ class _SharedUnit:
     def of(work, sched, scratch: PartialScratch, k_tiles, cluster_mn) -> "_SharedUnit":
         """The unit of `work`, read before `sched` advances past it."""
         shared = work.k_tiles < k_tiles
-        hi = cutlass.Int32(cutlass.select_(shared, sched.slices, 0))
+        count = cutlass.Int32(cutlass.select_(shared, sched.slices, 0))
         m, n, _ = work.tile
         return _SharedUnit(
-            shared, scratch, scratch.tile_id(m, n), cutlass.Int32(0), hi, work.slice,
-            UnitSlots(sched, work.unit_tile, cluster_mn),
+            shared, scratch, scratch.tile_id(m, n), count, work.slice, UnitSlots(sched, work.unit_tile, cluster_mn)
         )
 
     def partial(self, s, values: int, threads: int) -> cute.Tensor:

@@ -392,15 +392,15 @@ class Sm90GemmKernel:
             read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_count, read, release)
             if const_expr(self.split_k > 1):
                 slots = SliceSlots(scratch.tile_id(m, n), self.split_k)
-                if self._reduce_partials(scratch, acc, scratch.tile_id(m, n), Int32(0), Int32(self.split_k), l,
+                if self._reduce_partials(scratch, acc, scratch.tile_id(m, n), Int32(self.split_k), l,
                                          slots, mma_tidx, epi.bar):
                     subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, 0)], subtiles_done)
             elif const_expr(self.sched.stream_k):
                 whole = work.k_tiles == k_tiles
                 if not whole:
                     slots = UnitSlots(sched, work.unit_tile, self.cluster_mn)
-                    whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), Int32(0), sched.slices,
-                                                  work.slice, slots, mma_tidx, epi.bar)
+                    whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), sched.slices, work.slice,
+                                                  slots, mma_tidx, epi.bar)
                 if whole:
                     subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)
             else:
@@ -473,8 +473,8 @@ class Sm90GemmKernel:
         store_pipe.producer_tail()
 
     @cute.jit
-    def _reduce_partials(self, scratch: PartialScratch, acc, tile_id, lo, hi, me, slots, mma_tidx, bar) -> Boolean:
-        """Fixup of one tile shared by contributors lo .. hi-1 (K slices of
+    def _reduce_partials(self, scratch: PartialScratch, acc, tile_id, count, me, slots, mma_tidx, bar) -> Boolean:
+        """Fixup of one tile shared by contributors 0 .. count-1 (K slices of
         split-K or of stream-K), this CTA being `me`: whether `acc` now holds the
         whole sum. `slots(i)` is contributor i's partial slot.
 
@@ -484,13 +484,12 @@ class Sm90GemmKernel:
         the next launch. Nobody waits on anybody, so no co-residency is assumed.
         """
         values = cute.size(acc)
-        count = hi - lo
         own = scratch.partial(slots(me), values, self.mma_threads)
         for i in cutlass.range_constexpr(values):
             own[i, mma_tidx] = acc[i]
         last = scratch.arrive(tile_id, count, mma_tidx, bar)
         if last:
-            for c in cutlass.range(lo, hi):
+            for c in cutlass.range(count):
                 if c != me:
                     other = scratch.partial(slots(c), values, self.mma_threads)
                     for i in cutlass.range_constexpr(values):
