@@ -289,6 +289,23 @@ def _init_request_barrier(request: cute.Pointer) -> None:
             cute.arch.mbarrier_init(request, 1)
 
 
+def _cta_position(spec: SchedulerSpec) -> tuple:
+    """(cluster, clusters, rank (m, n) in the cluster) of the calling CTA,
+    on a grid laid out by `SchedulerSpec.grid_shape`."""
+    cm, _ = spec.cluster_mn
+    bidx, bidy, _ = cute.arch.block_idx()
+    gdimx, _, _ = cute.arch.grid_dim()
+    cluster = Int32(bidx) // cm
+    return cluster, Int32(gdimx) // cm, (Int32(bidx) - cluster * cm, Int32(bidy))
+
+
+def _claim_state(spec: SchedulerSpec) -> pipeline.PipelineState | None:
+    """Where a CTA that claims its work reads the claim ring (None: it does not claim)."""
+    if const_expr(spec.dynamic):
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
+    return None
+
+
 class TileScheduler:
     """One warp role's view of the schedule (each role holds its own instance)."""
 
@@ -333,16 +350,9 @@ class TileScheduler:
         `SchedulerSpec.grid_shape`); stream-K also needs a tile's k-blocks."""
         if const_expr(spec.stream_k):
             return StreamKScheduler.create(spec, grid, ring, k_tiles)
-        cm, cn = spec.cluster_mn
-        bidx, bidy, _ = cute.arch.block_idx()
-        gdimx, _, _ = cute.arch.grid_dim()
-        cluster = Int32(bidx) // cm
-        rank_mn = (Int32(bidx) - cluster * cm, Int32(bidy))
-        state = None
-        if const_expr(spec.dynamic):
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
+        cluster, clusters, rank_mn = _cta_position(spec)
         first = cluster * spec.turns if const_expr(spec.kind == "single_tile") else cluster
-        return TileScheduler(spec, grid, Int32(gdimx) // cm, rank_mn, first, ring, state)
+        return TileScheduler(spec, grid, clusters, rank_mn, first, ring, _claim_state(spec))
 
     def _work(self) -> WorkTile:
         cl_m, cl_n, l = decode_tile(self._idx, self.grid, self.spec.swizzle, self.spec.raster_m)
@@ -531,12 +541,7 @@ class StreamKScheduler(TileScheduler):
 
     @staticmethod
     def create(spec: SchedulerSpec, grid: TileGrid, ring: ClaimRing | None, k_tiles: Int32) -> "StreamKScheduler":
-        cm, _ = spec.cluster_mn
-        bidx, bidy, _ = cute.arch.block_idx()
-        gdimx, _, _ = cute.arch.grid_dim()
-        cluster = Int32(bidx) // cm
-        clusters = Int32(gdimx) // cm
-        rank_mn = (Int32(bidx) - cluster * cm, Int32(bidy))
+        cluster, clusters, rank_mn = _cta_position(spec)
         k_tiles = Int32(k_tiles)
         total = grid.count
         waves = total // clusters
@@ -546,11 +551,9 @@ class StreamKScheduler(TileScheduler):
         twice = cutlass.min(2 * clusters // cutlass.max(partial, 1), most)
         slices = Int32(cutlass.select_(2 * once < twice, twice, once))
         sk = Int32(cutlass.select_(slices > 1, partial, 0))
-        state = None
-        if const_expr(ring is not None):
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, spec.depth)
         return StreamKScheduler(
-            spec, grid, clusters, rank_mn, k_tiles, sk, cutlass.max(slices, 1), total - sk, cluster, ring, state,
+            spec, grid, clusters, rank_mn, k_tiles, sk, cutlass.max(slices, 1), total - sk, cluster, ring,
+            _claim_state(spec),
         )
 
     def work_count(self) -> Int32:
