@@ -432,9 +432,9 @@ class _SplitKScratch:
     that bookkeeping cannot cover them: a launch captured into a graph gets
     a buffer of its own tile count, which only captured launches of that
     count share (their semaphores and partials coincide). Such a buffer is
-    cleared once, when the capture makes it, outside the graph
-    (`_zero_outside_capture`). No buffer a graph may hold is ever freed: an
-    outgrown one is kept.
+    made and cleared once, when the capture needs it, outside the graph
+    (`_zeroed_outside_capture`). No buffer a graph may hold is ever freed:
+    an outgrown one is kept.
     """
 
     def __init__(self):
@@ -453,8 +453,7 @@ class _SplitKScratch:
             if buf is None or buf.numel() < words:
                 if buf is not None:
                     self._outgrown.append(buf)
-                buf = self.captured[tiles] = torch.empty(words, dtype=torch.int32, device=f"cuda:{device_index}")
-                _zero_outside_capture(buf[:SPLIT_K_COUNTERS + tiles])
+                buf = self.captured[tiles] = _zeroed_outside_capture(words, device_index)
             return buf
         if self.buf is None or self.buf.numel() < words:
             self.buf = torch.zeros(words, dtype=torch.int32, device=f"cuda:{device_index}")
@@ -466,13 +465,20 @@ class _SplitKScratch:
         return self.buf
 
 
-def _zero_outside_capture(view) -> None:
-    """Zero `view` now, on a stream no capture records. The kernels leave the
-    semaphores at zero, so only the first replay needs them cleared; a clear
-    captured into the graph would run before every replay, and at a few
-    microseconds' kernel that node cost up to 9 % (`bench.dynamic_m`, the
-    first split-K point of a family). The capture may forbid synchronizing
-    (its default, global mode): this thread relaxes that for the clear."""
+def _zeroed_outside_capture(words: int, device_index: int):
+    """A zeroed int32 buffer of `words`, made on a stream no capture records.
+
+    The kernels leave the semaphores at zero, so only the first replay needs
+    them cleared; a clear captured into the graph would run before every
+    replay, and at a few microseconds' kernel that node cost up to 9 %
+    (`bench.dynamic_m`, the first split-K point of a family). Nor may the
+    buffer come from the capture's own memory pool: that pool hands out
+    blocks the graph freed earlier in the capture, which the graph's earlier
+    kernels then write at every replay before the split-K launch reads its
+    semaphores (a Phi-3 decode step's attention temporaries under its o
+    projection: 5.5x the product's norm in error). The capture may forbid
+    allocating and synchronizing (its default, global mode): this thread
+    relaxes that while it makes the buffer."""
     import torch
     from cuda.bindings import driver
 
@@ -481,12 +487,13 @@ def _zero_outside_capture(view) -> None:
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuThreadExchangeStreamCaptureMode: {err}")
     try:
-        side = _side_stream(view.device)
+        side = _side_stream(torch.device("cuda", device_index))
         with torch.cuda.stream(side):
-            view.zero_()
+            buf = torch.zeros(words, dtype=torch.int32, device=f"cuda:{device_index}")
         side.synchronize()
     finally:
         driver.cuThreadExchangeStreamCaptureMode(before)
+    return buf
 
 
 _side_streams: dict = {}

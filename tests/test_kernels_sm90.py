@@ -487,6 +487,33 @@ def test_split_k_graphs_of_different_tile_counts_replay_in_any_order():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["sm90-single_tile-t64x8-c1x1-s8-w1m-k2-ab", "sm90-stream_k-t64x64-c1x1-s8-w1m"])
+def test_scratch_captured_after_a_freed_temporary(name, monkeypatch):
+    """A capture's memory pool hands out blocks freed earlier in the same
+    capture, which the graph's earlier kernels write at every replay (a
+    model's temporaries before its projection): the scratch whose
+    semaphores stay zero from one replay to the next must not be one."""
+    monkeypatch.setattr(kc, "_split_k_scratch", {})  # this capture makes its scratch
+    cfg = GemmConfig.from_name(name)
+    runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="tn")
+    m, n, k = (1, 3072, 3072) if cfg.swap_ab else (100, 1024, 5120)
+    a, b, ref = _operands(m, n, k, "tn")
+    out = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+    runner(a, b, out)
+    words = space.split_k_scratch_words(cfg, m, n, kc._clusters_per_wave(0, cfg.cluster_size))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        junk = torch.full((words,), 7, dtype=torch.int32, device="cuda")
+        del junk
+        runner(a, b, out)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
 def test_dynamic_back_to_back_launches_reset_the_counter():
     cfg = GemmConfig(scheduler=DYN, cluster_m=2, sched_depth=2)
     runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="tn")
