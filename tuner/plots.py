@@ -19,7 +19,7 @@ def plot_family(fm, output: Path) -> None:
     points = sorted({p["m"]: p for r in fm.ranges for p in r.evidence}.values(), key=lambda p: p["m"])
     choice_at = {p["m"]: r.config_name for r in fm.ranges for p in r.evidence if r.covers(p["m"])}
     names = list(dict.fromkeys(r.config_name for r in fm.ranges))
-    colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
+    colours = dict(zip(names, palette(len(names)), strict=True))
     fig, (ax, rx) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 2))
     for r in fm.ranges:
         for axis in (ax, rx):
@@ -51,3 +51,16 @@ def plot_family(fm, output: Path) -> None:
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
+
+
+def palette(count: int) -> list[tuple]:
+    """`count` distinct RGBA colours: tab10's, tab20's past ten (a 27B map
+    has eleven choices, and tab10 again gave the eleventh the first's
+    colour), evenly spaced along turbo past twenty."""
+    from matplotlib import colormaps
+
+    if count <= 10:
+        return [colormaps["tab10"](i) for i in range(count)]
+    if count <= 20:
+        return [colormaps["tab20"](i) for i in range(count)]
+    return [colormaps["turbo"](i / (count - 1)) for i in range(count)]
