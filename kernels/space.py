@@ -84,7 +84,8 @@ SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
 # scratch buffer: the dynamic scheduler's two counters, one arrival semaphore
 # per CTA tile, then, from a 128-byte boundary, the fp32 partial CTA tiles:
 # one per (CTA tile, K slice) for split-K, two per CTA of the persistent grid
-# for stream-K (a cluster runs at most two units, each parked in its own slot).
+# for stream-K (unit u parks in slot u, and a launch has at most two units
+# a cluster: `StreamKScheduler`).
 SPLIT_K_COUNTERS = 2
 _SPLIT_K_PARTIALS_ALIGN = 32
 # Activation rows a swap_ab tile holds at most (its tile_n).

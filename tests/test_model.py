@@ -394,17 +394,14 @@ def test_stream_k_splits_the_partial_wave_as_the_kernel_does():
     assert _stream_k_plan(384, 336, 132) == (0, 1)      # 120 of 132: two slices would not fit
 
 
-def _units(tiles: int, kblocks: int, workers: int) -> dict[int, list[tuple[int, int, int]]]:
-    """Worker -> its stream-K units (tile, first k-block, k-blocks), as the
-    kernel's scheduler walks them after its whole tiles."""
-    from tuner.model import _stream_k_plan
-
-    sk, slices = _stream_k_plan(tiles, kblocks, workers)
-    out = {}
+def _units(tiles: int, kblocks: int, sk: int, slices: int) -> list[tuple[int, int, int]]:
+    """Stream-K's units by unit index u (its partial slot): (tile, first
+    k-block, k-blocks), as the kernel's scheduler decodes them."""
+    out = []
     for u in range(sk * slices):
         t, s = u % sk, u // sk
         lo, hi = s * kblocks // slices, (s + 1) * kblocks // slices
-        out.setdefault(u % workers, []).append((tiles - sk + t, lo, hi - lo))
+        out.append((tiles - sk + t, lo, hi - lo))
     return out
 
 
@@ -413,19 +410,18 @@ def _units(tiles: int, kblocks: int, workers: int) -> dict[int, list[tuple[int, 
     (7, 81, 66), (200, 100, 66), (67, 17, 66), (1, 64, 132), (133, 83, 132),
 ])
 def test_stream_k_units_cover_every_k_block_once_and_fit_two_slots(tiles, kblocks, workers):
-    from tuner.model import SK_MIN_K_TILES
+    from tuner.model import SK_MIN_K_TILES, _stream_k_plan
 
-    units = _units(tiles, kblocks, workers)
-    covered = sorted((t, k) for us in units.values() for t, lo, n in us for k in range(lo, lo + n))
-    sk = len({t for us in units.values() for t, _, _ in us})
+    sk, slices = _stream_k_plan(tiles, kblocks, workers)
+    units = _units(tiles, kblocks, sk, slices)
+    covered = sorted((t, k) for t, lo, n in units for k in range(lo, lo + n))
     assert covered == [(t, k) for t in range(tiles - sk, tiles) for k in range(kblocks)]
-    # A worker parks at most two partials (its scratch slots), each unit long enough to be worth one.
-    assert all(len(us) <= 2 for us in units.values())
-    assert all(n >= SK_MIN_K_TILES for us in units.values() for _, _, n in us)
+    # Unit u parks in slot u: the scratch holds two a worker, each unit long enough to be worth one.
+    assert len(units) <= 2 * workers
+    assert all(n >= SK_MIN_K_TILES for _, _, n in units)
     # Units of one round start at one k-block per slice: the same for every tile.
     if units:
-        sk_tiles = range(tiles - sk, tiles)
-        starts = {t: sorted(lo for us in units.values() for tt, lo, _ in us if tt == t) for t in sk_tiles}
+        starts = {t: sorted(lo for tt, lo, _ in units if tt == t) for t in range(tiles - sk, tiles)}
         assert len({tuple(v) for v in starts.values()}) == 1
 
 
