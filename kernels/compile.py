@@ -404,7 +404,9 @@ def _clusters_per_wave(device_index: int, cluster_size: int) -> int:
 
 
 # One scheduler buffer (claims, finished clusters) per (device, stream): the
-# dynamic scheduler resets it itself, so launches in one stream share it.
+# dynamic scheduler resets it itself, so launches in one stream share it,
+# eager or replayed. A stream's first launch may be captured, so the buffer
+# is made outside any capture, as the split-K scratch is (its doc).
 _sched_bufs: dict[tuple[int, int], object] = {}
 
 
@@ -414,8 +416,7 @@ def _sched_buf(device_index: int):
     stream = torch._C._cuda_getCurrentRawStream(device_index)
     buf = _sched_bufs.get((device_index, stream))
     if buf is None:
-        buf = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=f"cuda:{device_index}")
-        _sched_bufs[(device_index, stream)] = buf
+        buf = _sched_bufs[(device_index, stream)] = _zeroed_outside_capture(SPLIT_K_COUNTERS, device_index)
     return buf
 
 
@@ -468,8 +469,8 @@ class _SplitKScratch:
 def _zeroed_outside_capture(words: int, device_index: int):
     """A zeroed int32 buffer of `words`, made on a stream no capture records.
 
-    The kernels leave the semaphores at zero, so only the first replay needs
-    them cleared; a clear captured into the graph would run before every
+    The kernels leave the semaphores (and the scheduler's counters) at zero,
+    so only the first replay needs them cleared; a clear captured into the graph would run before every
     replay, and at a few microseconds' kernel that node cost up to 9 %
     (`bench.dynamic_m`, the first split-K point of a family). Nor may the
     buffer come from the capture's own memory pool: that pool hands out

@@ -563,6 +563,32 @@ def test_dynamic_under_cuda_graph_replay(cfg):
 
 
 @pytest.mark.gpu
+def test_dynamic_first_launch_of_a_stream_captured(monkeypatch):
+    """A stream whose first dynamic launch is captured gets its scheduler
+    buffer outside the graph: no clear replays with the kernel, and no block
+    of the capture's pool (freed there by a temporary the graph's earlier
+    kernels write) holds the counters that later eager launches share."""
+    monkeypatch.setattr(kc, "_sched_bufs", {})  # a pool stream may have launched before
+    cfg = GemmConfig(scheduler=DYN, sched_depth=2)
+    runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="tn")
+    a, b, ref = _operands(1000, 2056, 512, "tn")
+    out = torch.empty(ref.shape, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, stream=stream):
+            runner(a, b, out)
+        assert _node_types(graph) == [driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL]
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            runner(a, b, out)  # eager, same stream, same buffer
+            stream.synchronize()
+            assert _rel_err(out, ref) < 2e-2
+    assert _sched_buf_is_clear()
+
+
+@pytest.mark.gpu
 def test_persistent_grids_hold_only_clusters_that_fit_at_once():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert kc._clusters_per_wave(0, 1) == sms

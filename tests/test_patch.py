@@ -208,26 +208,41 @@ def test_a_layer_without_kernel_spans_stays_a_plain_linear(spy):
     assert type(net[0]) is nn.Linear and "tuner_spans" not in net[0].__dict__
 
 
-def test_a_kernel_launch_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypatch):
+@pytest.mark.parametrize("lead", [(), (1,)], ids=["rows", "batch-seq"])
+def test_a_kernel_runner_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypatch, lead):
     calls, spans = spy
     launched = []
 
-    def launch(a, b, out, offs):
-        launched.append(a.shape[0])
-        return torch.mm(a, b)
+    def runner(a, stored, out):  # the weight as stored, (N, K), and an output to fill
+        launched.append((a.shape, stored.shape, out.shape))
+        torch.mm(a, stored.t(), out=out)
 
-    monkeypatch.setattr(dispatch, "launcher", lambda a, b: launch if a.shape[0] == 4 else None)
+    kept = dispatch._Launch(runner, tn=True)
+    monkeypatch.setattr(dispatch, "launcher", lambda a, b: kept if a.shape[0] == 2 else None)
     net = _net()
     spans[(128, 64)] = ((1, 8),)
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x = torch.randn(*lead, 2, 64, dtype=torch.bfloat16)
     with torch.no_grad(), patched(net, bias=True):
-        first = net(x)  # gemm decides; the layer keeps the launch
+        first = net(x)  # gemm decides; the layer keeps the runner
         again = net(x)
-        net(torch.randn(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64))  # 2-byte offset: not aligned
-        net(torch.randn(3, 64, dtype=torch.bfloat16))  # another M: no launch kept for it
-        assert net[0].tuner_launchers == {4: launch}
-    assert calls == [(4, 128), (4, 128), (3, 128)] and launched == [4]
-    assert torch.equal(first, again)
+        net(torch.randn(2 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64))  # 2-byte offset: not aligned
+        net(torch.randn(3, 64, dtype=torch.bfloat16))  # another M: no runner kept for it
+        assert net[0].tuner_launchers == {2: runner}
+    assert calls == [(2, 128), (2, 128), (3, 128)] and launched == [((2, 64), (128, 64), (2, 128))]
+    assert torch.equal(first, again) and again.shape == (*x.shape[:-1], 32)
+
+
+def test_a_launch_of_another_layout_is_not_kept(spy, monkeypatch):
+    """A runner takes B as stored: only a "tn" one takes the weight itself."""
+    calls, spans = spy
+    monkeypatch.setattr(dispatch, "launcher", lambda a, b: dispatch._Launch(lambda *args: None, tn=False))
+    net = _net()
+    spans[(128, 64)] = ((1, 8),)
+    with torch.no_grad(), patched(net, bias=True):
+        net(torch.randn(2, 64, dtype=torch.bfloat16))
+        net(torch.randn(2, 64, dtype=torch.bfloat16))
+        assert net[0].tuner_launchers == {}
+    assert calls == [(2, 128), (2, 128)]
 
 
 def test_traced_calls_take_the_compiled_spans_and_eager_calls_the_eager_ones(spy):

@@ -100,7 +100,7 @@ class _State:
         # Launchers by call signature (`_signature`), for calls already seen
         # to go to a kernel: a repeat call then skips every rule check but
         # pointer alignment.
-        self.launchers: dict[tuple, Callable] = {}
+        self.launchers: dict[tuple, _Launch] = {}
         self.warned: set[tuple[str, str]] = set()
         self.lock = threading.Lock()
         self.online: bool | None = None  # None: $TUNER_ONLINE decides
@@ -191,12 +191,14 @@ def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int) -> tuple
     return spans, None
 
 
-def launcher(a: torch.Tensor, b: torch.Tensor) -> Callable | None:
+def launcher(a: torch.Tensor, b: torch.Tensor) -> _Launch | None:
     """The kernel launch `gemm(a, b)` takes for operands of this signature
     (shapes, strides, dtypes, device), once a call has decided and built it;
     None when such a call runs cuBLAS or has not run yet. `launch(a, b, None,
     None)` skips every check but needs a and b 16-byte aligned: a caller that
-    keeps it (a patched layer per M) checks a's pointer itself."""
+    keeps it (a patched layer per M) checks a's pointer itself. Its `runner`
+    is the kernel alone: `launch.runner(a, stored, out)` takes B as stored
+    (`b.mT` where `launch.tn`) and an output, and makes no tensor op."""
     return _state.launchers.get(_signature(a, b, None, None))
 
 
@@ -215,7 +217,7 @@ def _run(a, b, out, offs):
         if decision.explanation.fallback:
             _warn_once(decision.explanation.reason, _label(a, b, out, offs, layout))
         return _torch_gemm(a, b, out, offs)
-    launch = _launcher(decision.runner, layout == "tn")
+    launch = _Launch(decision.runner, layout == "tn")
     # Everything the checks read is in the signature except the pointers.
     _state.launchers[signature] = launch
     return launch(a, b, out, offs)
@@ -230,18 +232,24 @@ def _signature(a, b, out, offs) -> tuple:
     )
 
 
-def _launcher(runner: Callable, tn: bool) -> Callable:
-    def launch(a, b, out, offs):
+class _Launch:
+    """`launch(a, b, out, offs)`: a decided kernel's runner on `gemm`'s
+    operands. The runners take B as stored: (.., N, K) for "tn" (`tn`)."""
+
+    __slots__ = ("runner", "tn")
+
+    def __init__(self, runner: Callable, tn: bool) -> None:
+        self.runner, self.tn = runner, tn
+
+    def __call__(self, a, b, out, offs):
         if out is None:
             out = torch.empty((a.shape[0], b.shape[-1]), dtype=a.dtype, device=a.device)
-        # The runners take B as stored: (.., N, K) for "tn".
-        stored = b.mT if tn else b
+        stored = b.mT if self.tn else b
         if offs is None:
-            runner(a, stored, out)
+            self.runner(a, stored, out)
         else:
-            runner(a, stored, offs, out)
+            self.runner(a, stored, offs, out)
         return out
-    return launch
 
 
 def _decision(a, b, out, offs, layout, build: bool = True) -> _Decision:
@@ -428,7 +436,7 @@ def _live_measure(a, b, offs, layout, din, dout) -> Callable:
                 with torch.cuda.device(a.device):
                     runner = get_kernel(cfg, dtype_in=din, dtype_out=dout, layout=layout,
                                         grouped="rows" if offs is not None else "")
-                launch = _launcher(runner, layout == "tn")
+                launch = _Launch(runner, layout == "tn")
                 if rel_error(launch(a, b, scratch, offs), reference) > REL_ERR_LIMIT[din]:
                     continue
             except Exception:  # a candidate that fails is left out; cuBLAS still runs

@@ -104,8 +104,12 @@ class PatchWarning(UserWarning):
 class TunedLinear(nn.Linear):
     """An `nn.Linear` whose forward runs `gemm` at the M where a kernel may win."""
 
-    # M -> the kernel launch `gemm` chose for this weight, kept after the first
-    # eager call: a repeat call then skips gemm's checks but a's alignment.
+    # M -> the kernel runner `gemm` chose for this weight, kept after the first
+    # eager call: a repeat call then skips gemm's checks but a's alignment and
+    # launches it on the weight as stored, so that its only tensor ops are the
+    # output's allocation and the input's and output's views (a tensor op
+    # called from Python costs the host about a microsecond, and a decode
+    # step waits on the host).
     tuner_launchers: dict
     # Patched for forwards replayed from CUDA graphs (`patch(graphs=True)`):
     # no host cost to cover, and `check` keeps what won on device time.
@@ -175,25 +179,27 @@ class TunedLinear(nn.Linear):
 
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self._parameters["weight"], self._parameters["bias"]  # as in forward
-        x = input.reshape(-1, self.in_features) if input.shape[-1] == self.in_features else None
-        if x is None or not self._fits(input, x):  # (F.linear names a wrong input width)
+        if input.shape[-1] != self.in_features:
+            return F.linear(input, w, b)  # which names the wrong width
+        flat = input.dim() == 2
+        x = input if flat else input.reshape(-1, self.in_features)
+        if not self._fits(input, x):
             return F.linear(input, w, b)
-        wt = w.t()
         x = x.contiguous()
-        if _compiling():
-            y = dispatch.gemm(x, wt)
+        m = x.shape[0]
+        run = None if _compiling() else self.tuner_launchers.get(m)
+        if run is not None and not x.data_ptr() % _ALIGN:
+            y = torch.empty((m, self.out_features), dtype=x.dtype, device=x.device)
+            run(x, w, y)
         else:
-            launch = self.tuner_launchers.get(x.shape[0])
-            if launch is not None and not x.data_ptr() % _ALIGN:
-                y = launch(x, wt, None, None)
-            else:
-                y = dispatch.gemm(x, wt)
-                launch = dispatch.launcher(x, wt)
-                if launch is not None:
-                    self.tuner_launchers[x.shape[0]] = launch
+            wt = w.t()
+            y = dispatch.gemm(x, wt)
+            launch = None if _compiling() else dispatch.launcher(x, wt)
+            if launch is not None and launch.tn:  # the runner takes the weight as stored
+                self.tuner_launchers[m] = launch.runner
         if b is not None:
             y = y + b
-        return y.view(*input.shape[:-1], self.out_features)
+        return y if flat else y.view(*input.shape[:-1], self.out_features)
 
 
 def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False) -> nn.Module:
@@ -586,18 +592,19 @@ def _measure_gather_cost(device: int, dtype: torch.dtype) -> float:
 def _measure_host_costs(layer: TunedLinear, m: int) -> tuple[float, float]:
     """Host us per call that the kernel path adds over cuBLAS's, (eager,
     compiled), on `layer` at M = `m`: the launch kept by `TunedLinear`
-    against `F.linear`, and the registered op against `torch.mm` into a given
-    output (what a compiled graph calls for a linear). Each path is called in
+    against `F.linear` on an input of (batch, sequence, features), as a
+    model's layers take it, and the registered op against `torch.mm` into a
+    given output (what a compiled graph calls for a linear). Each path is called in
     batches without a sync, so the batch's wall time is the host's (the
     device's queue does not fill); a path's fastest batch counts (the host's
     noise only adds), and a negative difference is none."""
     w = layer.weight
-    x = torch.randn(m, layer.in_features, device=w.device, dtype=w.dtype)
-    wt, out = w.t(), torch.empty(m, layer.out_features, device=w.device, dtype=w.dtype)
+    x = torch.randn(1, m, layer.in_features, device=w.device, dtype=w.dtype)
+    rows, wt, out = x[0], w.t(), torch.empty(m, layer.out_features, device=w.device, dtype=w.dtype)
 
     paths = {
         "kernel": lambda: layer._tuned(x), "linear": lambda: F.linear(x, w),
-        "op": lambda: torch.ops.gemm_tuner.gemm(x, wt, None), "mm": lambda: torch.mm(x, wt, out=out),
+        "op": lambda: torch.ops.gemm_tuner.gemm(rows, wt, None), "mm": lambda: torch.mm(rows, wt, out=out),
     }
     best = dict.fromkeys(paths, math.inf)
     with torch.no_grad():
