@@ -28,13 +28,20 @@ downloaded).
    cache after a `--prompt`-token prefill that is not timed; tokens/s =
    batch x steps / time), each unpatched and patched, eager and under
    `torch.compile` (compiled anew for each case, so for its static shapes).
-   The variants are two copies of the model with the same weights, one
-   patched, as a user patches once and then runs: toggling one model
-   between the variants would time the first call after each `patch`
+   Compiled, the variants are two copies of the model with the same
+   weights, one patched, as a user patches once and then runs: toggling one
+   model between the variants would time the first call after each `patch`
    (a dynamo guard miss, the layers' launch caches refilled) instead. Each
    copy plays each variant for half the rounds, with its own KV cache, and
    each variant leads half the rounds (`_both_ways`), so that what sets one
-   copy or one place in the order apart cancels.
+   copy or one place in the order apart cancels. Eager, the variants are
+   the patched model itself in two roles (`_Role`): before each call its
+   patched layers take the role's class, `TunedLinear` or `nn.Linear` (an
+   assignment per layer, made in both roles alike; the layers keep their
+   intervals and kept launches), so that the weights, the code around the
+   layers and where the forward's tensors land are the same in both: two
+   copies that made no kernel call read 0.989-1.000 apart, with both
+   halves of a case on the same side.
    Layers with a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by
    default. The two variants alternate, timed on the host clock after a
    sync (the host's cost is part of what a user waits for): prefill one
@@ -93,7 +100,7 @@ from bench.record import save
 from tuner import check, dispatch, patch, unpatch
 from tuner.linears import build_model, linear_shapes
 from tuner.measure import paired_speedup, trimmed_mean
-from tuner.patch import PatchWarning, host_costs
+from tuner.patch import PatchWarning, TunedLinear, host_costs
 
 MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
 DEVICE = "cuda"
@@ -234,10 +241,45 @@ class _Graphed:
         return self._output
 
 
+class _Role:
+    """One patched model playing one variant of the eager runs: a call sets
+    its patched layers' class for the variant (`patched`) and runs the
+    model. It owns a KV cache of its own (keyed by the role, as a copy's is),
+    and the roles trade variants like copies (`_swap`)."""
+
+    def __init__(self, model: torch.nn.Module, layers: list, patched: bool) -> None:
+        self.model, self._layers, self.patched = model, layers, patched
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def apply(self) -> None:
+        cls = TunedLinear if self.patched else torch.nn.Linear
+        for layer in self._layers:
+            layer.__class__ = cls
+
+    def __call__(self, **kwargs):
+        self.apply()
+        return self.model(**kwargs)
+
+
+def _roles(model: torch.nn.Module) -> dict:
+    """{variant: _Role} of a patched model."""
+    layers = [m for m in model.modules() if type(m) is TunedLinear]
+    return {v: _Role(model, layers, v == "patched") for v in VARIANTS}
+
+
 def _swap(models: dict) -> None:
     """The unpatched copy takes the patched one's layers as they are (the
     intervals `patch` and `check` left them), and the patched copy is
-    unpatched."""
+    unpatched; roles (`_Role`) trade their variants."""
+    if isinstance(models["patched"], _Role):
+        done, fresh = models["patched"], models["unpatched"]
+        done.patched, fresh.patched = False, True
+        models["unpatched"], models["patched"] = done, fresh
+        fresh.apply()
+        return
     done, fresh = models["patched"], models["unpatched"]
     graphs = any(getattr(layer, "tuner_graphs", False) for layer in done.modules())
     with warnings.catch_warnings():
@@ -288,6 +330,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
               f"forwards x{c.forward_speedup or math.nan:.3f} (2 se {2 * (c.forward_log_se or math.nan):.3f}): "
               f"{'kept' if c.kept else 'compiled only' if c.calls_won else 'to cuBLAS'}", file=sys.stderr)
     models = {"unpatched": model, "patched": tuned}
+    roles = _roles(tuned)
     patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
@@ -323,13 +366,13 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
                     errors.append(_rel_err(run(fns["patched"]), run(fns["unpatched"])))
                     return pairs
 
-                case[mode] = {**_speed(_both_ways(models, mode, measure, args.graphs), batch * seq),
-                              "rel_err": max(errors)}
+                case[mode] = {**_speed(_both_ways(_cast(models, roles, mode, args.graphs), mode, measure,
+                                                  args.graphs), batch * seq), "rel_err": max(errors)}
             _report(name, "prefill", case)
             record["prefill"].append(case)
             checkpoint(record)
         for batch in args.decode:
-            record["decode"].append(_decode_case(models, batch, vocab, gen, args))
+            record["decode"].append(_decode_case(models, roles, batch, vocab, gen, args))
             record["decode"][-1]["kernel_calls"] = _kernel_calls(patched_layers, linears, batch, batch, head_strided=False)
             _report(name, "decode", record["decode"][-1])
             checkpoint(record)
@@ -337,6 +380,12 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return record
+
+
+def _cast(models: dict, roles: dict, mode: str, graphs: bool) -> dict:
+    """Who plays the variants: the patched model's roles eager, the two
+    copies compiled or replayed from graphs (module doc, step 3)."""
+    return roles if mode == "eager" and not graphs else models
 
 
 def _workload(model, args: argparse.Namespace):
@@ -362,7 +411,7 @@ def _workload(model, args: argparse.Namespace):
     return run
 
 
-def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
+def _decode_case(models: dict, roles: dict, batch: int, vocab: int, gen, args) -> dict:
     """Greedy decode steps into one static KV cache per variant; timing pairs
     the variants step by step (one step of each, alternating which goes first,
     each timed alone on the host clock after a sync, as a generate loop that
@@ -372,19 +421,20 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
 
     prompt = torch.randint(0, vocab, (batch, args.prompt), device=DEVICE, generator=gen)
     first = torch.randint(0, vocab, (batch, 1), device=DEVICE, generator=gen)
-    # A cache per copy, not per variant: it changes roles with its copy (`_both_ways`).
-    caches = {id(m): StaticCache(config=m.config, max_cache_len=args.prompt + args.steps) for m in models.values()}
+    # A cache per copy (or role), not per variant: it changes variants with its copy (`_both_ways`).
+    caches = {id(m): StaticCache(config=m.config, max_cache_len=args.prompt + args.steps)
+              for m in [*models.values(), *roles.values()]}
     positions = [torch.tensor([args.prompt + i], device=DEVICE) for i in range(args.steps)]
 
     def prefill(v):
         """The prompt into variant `v`'s empty cache, eager, untimed."""
-        caches[id(models[v])].reset()
-        models[v](input_ids=prompt, past_key_values=caches[id(models[v])],
-                  cache_position=torch.arange(args.prompt, device=DEVICE), logits_to_keep=1)
+        caches[id(cast[v])].reset()
+        cast[v](input_ids=prompt, past_key_values=caches[id(cast[v])],
+                cache_position=torch.arange(args.prompt, device=DEVICE), logits_to_keep=1)
 
     def step(fn, v, token, pos):
         """One decode step of `fn` on variant `v`'s cache: the new position's logits."""
-        return fn(input_ids=token, past_key_values=caches[id(models[v])], cache_position=pos).logits[:, -1]
+        return fn(input_ids=token, past_key_values=caches[id(cast[v])], cache_position=pos).logits[:, -1]
 
     def loop(fn, v):
         """The steps, untimed: (the first step's logits, the greedy tokens)."""
@@ -402,6 +452,7 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
     for mode in _MODES:
         if mode not in args.modes:
             continue
+        cast = _cast(models, roles, mode, args.graphs)
         errors, agreements = [], []
 
         def measure(fns, lead):
@@ -433,7 +484,7 @@ def _decode_case(models: dict, batch: int, vocab: int, gen, args) -> dict:
             agreements.append((tokens == want_tokens).float().mean().item())
             return pairs
 
-        case[mode] = {**_speed(_both_ways(models, mode, measure, args.graphs), batch), "rel_err": max(errors),
+        case[mode] = {**_speed(_both_ways(cast, mode, measure, args.graphs), batch), "rel_err": max(errors),
                       "token_agreement": min(agreements)}
     return case
 

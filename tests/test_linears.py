@@ -203,6 +203,40 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     assert models["patched"][0].tuner_graphs and models["patched"][1].tuner_graphs
 
 
+def test_the_e2e_eager_roles_run_one_model_as_each_variant_and_trade_them(monkeypatch):
+    """Eager, one patched model plays both variants: a role's call gives its
+    patched layers the variant's class (and no other layer), and `_swap`
+    trades the roles' variants, twice back to where they started."""
+    import importlib
+
+    from bench.e2e import _roles, _swap
+    from tuner import dispatch, patch
+    from tuner.lookup import Span
+
+    patch_module = importlib.import_module("tuner.patch")
+    TunedLinear = patch_module.TunedLinear
+    monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
+
+    class Net(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x), [type(m) for m in self]
+
+    net = patch(Net(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)).to(torch.bfloat16))
+    patch_module.unpatch(net[1])  # as a check leaves a layer whose kernels lost
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    models = _roles(net)
+    first = models["patched"]
+    assert models["unpatched"](x=x)[1] == [nn.Linear, nn.Linear]
+    assert models["patched"](x=x)[1] == [TunedLinear, nn.Linear] and net[0].tuner_spans == ((1, 64),)
+    assert torch.equal(models["patched"](x=x)[0], models["unpatched"](x=x)[0])
+    _swap(models)
+    assert models["unpatched"] is first and not first.patched and models["patched"].patched
+    assert type(net[0]) is TunedLinear  # the model is left patched, for the runs after
+    _swap(models)
+    assert models["patched"] is first and first.patched
+
+
 def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():
     from bench.patch_overhead import _set
     from tuner.patch import TunedLinear

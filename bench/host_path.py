@@ -1,0 +1,126 @@
+"""Where an eager linear call's host time goes: a patched layer's kernel path
+against `F.linear`, per call, on the layers of models patched from a database.
+
+    python -m bench.host_path --db DB [--models llama-3.1-8b,gemma-3-27b,qwen2.5-7b]
+                              [--layers 2] [--batches 30] [--out bench/results]
+
+Each model is built from its shipped config (two decoder layers, random bf16
+weights) and patched (`tuner.patch`). For every distinct (weight shape, M) of
+a layer with an eager kernel interval, at the interval's least M, with an
+input of (1, M, features) as a model passes it, each way of making the
+product is called in batches of 20 with no sync inside a batch (so the
+batch's wall time is the host's; the device's queue does not fill), the
+ways interleaved batch by batch, the fastest batch per way counting:
+
+- `F.linear`: what an unpatched layer's forward calls;
+- `nn.Linear`: an unpatched layer called as a module (adds `nn.Module.__call__`);
+- `patched`: the patched layer called as a module, taking its kept kernel;
+- `kept_path`: the patched layer's kernel path alone (`TunedLinear._tuned`);
+- `runner`: the compiled kernel alone on the weight and a given output;
+- `empty`, `view`: one output allocation, one view of the input (the tensor
+  ops the kept path adds to the runner).
+
+Also records what `patch` measured the kernel path to add (`host_costs`).
+Writes `<out>/<device-slug>-host-path.json` ($OUT instead when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from bench.kernels_sm90 import device_slug
+from bench.record import save
+from tuner import dispatch, patch
+from tuner.linears import build_model
+from tuner.patch import TunedLinear
+
+_CALLS = 20
+
+
+def _fastest(paths: dict, batches: int) -> dict:
+    """Host us per call of each path: its fastest batch."""
+    best = dict.fromkeys(paths, math.inf)
+    for fn in paths.values():
+        fn()
+    for _ in range(batches):
+        for name, fn in paths.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(_CALLS):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / _CALLS)
+    torch.cuda.synchronize()
+    return {name: round(1e6 * s, 2) for name, s in best.items()}
+
+
+def _layer_paths(layer: TunedLinear, m: int) -> dict | None:
+    """The ways of one product (module doc), or None if no kernel is kept at M."""
+    w = layer.weight
+    x = torch.randn(1, m, layer.in_features, device=w.device, dtype=w.dtype)
+    layer._tuned(x)  # gemm decides, builds and the layer keeps the runner
+    run = layer.tuner_launchers.get(m)
+    if run is None:
+        return None
+    out = torch.empty(m, layer.out_features, device=w.device, dtype=w.dtype)
+    plain = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, device=w.device, dtype=w.dtype)
+    plain.weight = w
+    return {
+        "F.linear": lambda: F.linear(x, w), "nn.Linear": lambda: plain(x), "patched": lambda: layer(x),
+        "kept_path": lambda: layer._tuned(x), "runner": lambda: run(x[0], w, out),
+        "empty": lambda: torch.empty((m, layer.out_features), dtype=w.dtype, device=w.device),
+        "view": lambda: x.view(-1, layer.in_features),
+    }
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    model = build_model(name, num_layers=args.layers, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # shapes left to cuBLAS are not what this measures
+        patch(model)
+    rows, seen = [], set()
+    with torch.no_grad():
+        for path, layer in model.named_modules():
+            if type(layer) is not TunedLinear or not layer.tuner_spans:
+                continue
+            m = layer.tuner_spans[0][0]
+            if (layer.weight.shape, m) in seen:
+                continue
+            seen.add((layer.weight.shape, m))
+            paths = _layer_paths(layer, m)
+            if paths is None:
+                continue
+            us = _fastest(paths, args.batches)
+            rows.append({"layer": path, "n": layer.out_features, "k": layer.in_features, "m": m, "host_us": us})
+            print(f"{name} {path} {layer.out_features}x{layer.in_features} M={m}: "
+                  + ", ".join(f"{p} {v:.1f}" for p, v in us.items()), flush=True)
+    return {"model": name, "layers": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--models", type=lambda t: t.split(","), default=["llama-3.1-8b", "gemma-3-27b", "qwen2.5-7b"])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    dispatch.configure(args.db)
+    models = [bench_model(name, args) for name in args.models]
+    eager, compiled = importlib.import_module("tuner.patch").host_costs()
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls_per_batch": _CALLS,
+              "batches": args.batches, "patch_host_costs_us": {"eager": eager, "compiled": compiled},
+              "models": models}
+    save(record, os.environ.get("OUT") or args.out, f"{device_slug(torch.cuda.get_device_name())}-host-path")
+
+
+if __name__ == "__main__":
+    main()
