@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import gc
 import math
 import statistics
 import sys
@@ -39,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tuner import dispatch, patch
 from tuner.linears import build_model
+from tuner.measure import gc_paused
 from tuner.patch import TunedLinear
 
 _PAIRS, _REFILL = 1500, 60  # paired steps per variant; steps between cache refills
@@ -112,17 +112,15 @@ def main() -> None:
             prefill(v)
         for other in _VARIANTS * 2:
             logs = []
-            gc.collect()
-            gc.disable()
-            for r in range(_PAIRS):
-                if r % _REFILL == 0:  # a StaticCache counts the positions written
-                    prefill("plain"), prefill(other)
-                if r % 2:
-                    a, b = timed("plain"), timed(other)
-                else:
-                    b, a = timed(other), timed("plain")
-                logs.append(math.log(a / b))
-            gc.enable()
+            with gc_paused():
+                for r in range(_PAIRS):
+                    if r % _REFILL == 0:  # a StaticCache counts the positions written
+                        prefill("plain"), prefill(other)
+                    if r % 2:
+                        a, b = timed("plain"), timed(other)
+                    else:
+                        b, a = timed(other), timed("plain")
+                    logs.append(math.log(a / b))
             mu, se = statistics.mean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
             print(f"{other:8s} speedup over plain x{math.exp(mu):.4f} (2 se {2 * se:.4f})")
 

@@ -80,7 +80,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -99,7 +98,7 @@ from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner import check, dispatch, patch, unpatch
 from tuner.linears import build_model, linear_shapes
-from tuner.measure import paired_speedup, trimmed_mean
+from tuner.measure import gc_paused, paired_speedup, trimmed_mean
 from tuner.patch import PatchWarning, TunedLinear, host_costs
 
 MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
@@ -160,13 +159,9 @@ def _paired(trial, rounds: int, lead: tuple[str, str]) -> list[tuple[float, floa
     pairs = []
     for _ in range(2):  # warm-up: compiles, decides and builds
         trial(lead)
-    gc.collect()
-    gc.disable()  # a collection inside one variant's run is host noise the other does not pay
-    try:
+    with gc_paused():
         for r in range(rounds):
             pairs += trial(lead if r % 2 == 0 else lead[::-1])
-    finally:
-        gc.enable()
     return pairs
 
 

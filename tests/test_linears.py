@@ -169,6 +169,24 @@ def test_the_e2e_speedup_keeps_the_order_effect_out():
         paired_speedup(pairs[:1] + pairs[1::2])
 
 
+def test_timed_pairs_run_with_the_garbage_collector_paused_and_restored():
+    import gc
+
+    from tuner.measure import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # a caller that had it off keeps it off
+    try:
+        with pytest.raises(RuntimeError), gc_paused():
+            raise RuntimeError
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch):
     """`_swap` (run twice per case) puts each copy in each role, with the
     intervals `patch` and `check` left, and twice is where it started."""

@@ -3,10 +3,12 @@ and the statistics that compare interleaved timings."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from kernels.space import GemmConfig
 from tuner.key import Key
@@ -26,6 +28,22 @@ def slow_spell(cublas_ms: float, cublas_ms_at_larger_m: float) -> bool:
     """Whether a measurement whose cuBLAS call took `cublas_ms` was taken in
     a slow spell (`SLOW_SPELL_RATIO`): its candidates' ratios say nothing."""
     return cublas_ms > SLOW_SPELL_RATIO * cublas_ms_at_larger_m
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's garbage collector off inside the block (after a collection),
+    as it was after: a collection that falls inside one of a pair of timed
+    forwards is host time the other does not pay (a model's forward makes
+    enough objects to start several)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def trimmed_mean(samples: list[float], trim: float = TRIM) -> float:

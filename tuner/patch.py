@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuner import dispatch
-from tuner.measure import paired_speedup
+from tuner.measure import gc_paused, paired_speedup
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # Looked up once: every patched call asks it (TorchDynamo knows the function
@@ -371,7 +371,7 @@ def _measure(model: nn.Module, spans: dict, workload: Callable[[], object], roun
     saved = {layer: layer.tuner_spans for layer in layers}
     calls, forwards, made = defaultdict(list), defaultdict(list), defaultdict(set)
     try:
-        with torch.no_grad(), _CallTimer(model, {layer: spans[layer] for layer in layers}) as timer:
+        with torch.no_grad(), gc_paused(), _CallTimer(model, {layer: spans[layer] for layer in layers}) as timer:
             for r in range(rounds + 1):
                 order = ("kernel", "cublas") if r % 2 == 0 else ("cublas", "kernel")
                 runs = {}
