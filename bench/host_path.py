@@ -2,7 +2,7 @@
 against `F.linear`, per call, on the layers of models patched from a database.
 
     python -m bench.host_path --db DB [--models llama-3.1-8b,gemma-3-27b,qwen2.5-7b]
-                              [--layers 2] [--batches 30] [--out bench/results]
+                              [--layers 2] [--batches 30] [--steps 150] [--out bench/results]
 
 Each model is built from its shipped config (two decoder layers, random bf16
 weights) and patched (`tuner.patch`). For every distinct (weight shape, M) of
@@ -21,15 +21,28 @@ ways interleaved batch by batch, the fastest batch per way counting:
   ops the kept path adds to the runner).
 
 Also records what `patch` measured the kernel path to add (`host_costs`).
+
+Then the same calls inside the model's own forward (`--steps` eager decode
+steps at batch 1 into a static KV cache, the collector paused), where the
+host's caches hold the rest of the forward's code too: each linear layer's
+`forward`, a patched layer's kernel path (`_tuned`) and the runner are timed
+in place (their methods wrapped for the run, every one alike), with the
+step's enqueue and whole time, for the model unpatched, patched (every
+kernel interval `patch` kept, no `check`) and patched with no eager
+interval left (every call through `F.linear` behind the interval test).
+
 Writes `<out>/<device-slug>-host-path.json` ($OUT instead when set).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import importlib
 import math
 import os
+import statistics
 import time
 import warnings
 
@@ -38,8 +51,10 @@ import torch.nn.functional as F
 
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner import dispatch, patch
+from kernels import compile as kernels_compile
+from tuner import dispatch, patch, unpatch
 from tuner.linears import build_model
+from tuner.measure import gc_paused
 from tuner.patch import TunedLinear
 
 _CALLS = 20
@@ -80,12 +95,66 @@ def _layer_paths(layer: TunedLinear, m: int) -> dict | None:
     }
 
 
+# What `_timed_in_place` wraps: (class, method, label).
+_IN_PLACE = ((torch.nn.Linear, "forward", "nn.Linear.forward"), (TunedLinear, "forward", "TunedLinear.forward"),
+             (TunedLinear, "_tuned", "kernel_path"), (kernels_compile._Runner, "__call__", "runner"))
+
+
+@contextlib.contextmanager
+def _timed_in_place(calls: dict):
+    """Every method of `_IN_PLACE` appends its calls' host ns to `calls[label]`."""
+    def timed(fn, label):
+        def call(*args):
+            start = time.perf_counter_ns()
+            out = fn(*args)
+            calls[label].append(time.perf_counter_ns() - start)
+            return out
+        return call
+
+    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in _IN_PLACE]
+    try:
+        for cls, attr, label in _IN_PLACE:
+            setattr(cls, attr, timed(cls.__dict__[attr], label))
+        yield
+    finally:
+        for cls, attr, fn in saved:
+            setattr(cls, attr, fn)
+
+
+def _in_forward(model, steps: int) -> dict:
+    """Per call kind inside `steps` decode steps: calls a step, median us; and the step's times."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=steps + 8)
+    token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    positions = [torch.tensor([i], device="cuda") for i in range(steps + 8)]
+    calls, enqueue, whole = collections.defaultdict(list), [], []
+    with torch.no_grad():
+        for i in range(8):  # warm-up: kernels decided, built and kept
+            model(input_ids=token, past_key_values=cache, cache_position=positions[i])
+        with gc_paused(), _timed_in_place(calls):
+            for i in range(8, steps + 8):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model(input_ids=token, past_key_values=cache, cache_position=positions[i])
+                queued = time.perf_counter()
+                torch.cuda.synchronize()
+                enqueue.append(queued - start)
+                whole.append(time.perf_counter() - start)
+    return {"step_enqueue_us": round(1e6 * statistics.median(enqueue), 1),
+            "step_us": round(1e6 * statistics.median(whole), 1),
+            "calls": {label: {"per_step": len(ns) / steps, "median_us": round(statistics.median(ns) / 1e3, 2)}
+                      for label, ns in sorted(calls.items())}}
+
+
 def bench_model(name: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = build_model(name, num_layers=args.layers, device="cuda", dtype=torch.bfloat16)
+    in_forward = {"unpatched": _in_forward(model, args.steps)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # shapes left to cuBLAS are not what this measures
         patch(model)
+    in_forward["patched"] = _in_forward(model, args.steps)
     rows, seen = [], set()
     with torch.no_grad():
         for path, layer in model.named_modules():
@@ -102,7 +171,17 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             rows.append({"layer": path, "n": layer.out_features, "k": layer.in_features, "m": m, "host_us": us})
             print(f"{name} {path} {layer.out_features}x{layer.in_features} M={m}: "
                   + ", ".join(f"{p} {v:.1f}" for p, v in us.items()), flush=True)
-    return {"model": name, "layers": rows}
+    for layer in model.modules():
+        if type(layer) is TunedLinear:
+            layer.tuner_spans = ()
+    in_forward["patched, no eager interval"] = _in_forward(model, args.steps)
+    unpatch(model)
+    in_forward["unpatched again"] = _in_forward(model, args.steps)
+    for variant, got in in_forward.items():
+        print(f"{name} decode step, {variant}: enqueue {got['step_enqueue_us']:.0f} us, whole {got['step_us']:.0f} us; "
+              + ", ".join(f"{label} {c['per_step']:.0f}x {c['median_us']:.1f}" for label, c in got["calls"].items()),
+              flush=True)
+    return {"model": name, "layers": rows, "decode_step_in_place": in_forward}
 
 
 def main() -> None:
@@ -111,6 +190,7 @@ def main() -> None:
     parser.add_argument("--models", type=lambda t: t.split(","), default=["llama-3.1-8b", "gemma-3-27b", "qwen2.5-7b"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=150, help="Decode steps timed in place per variant.")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     dispatch.configure(args.db)
