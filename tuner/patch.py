@@ -74,9 +74,12 @@ from tuner import dispatch
 from tuner.measure import gc_paused, paired_speedup
 
 _DTYPES = (torch.bfloat16, torch.float16)
-# Looked up once: every patched call asks it (TorchDynamo knows the function
-# itself, under any name).
+# Looked up once: every patched call asks one (TorchDynamo knows the
+# functions themselves, under any name). `_compiling` is also true under
+# non-strict export, which runs the eager forward on fake tensors: the kernel
+# path asks it before it launches anything.
 _compiling = torch.compiler.is_compiling
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
 # Host cost measurement: calls per timed batch, batches (the fastest counts).
 _COST_CALLS, _COST_BATCHES = 20, 15
@@ -121,6 +124,11 @@ class TunedLinear(nn.Linear):
     _tuner_bounds: tuple[int, int] = (1, 0)
     _tuner_spans: tuple[tuple[int, int], ...] = ()
     _tuner_compiled_spans: tuple[tuple[int, int], ...] = ()
+    # Input numel -> whether an eager call of that size takes the kernel
+    # path, filled as sizes come: inside a forward a call's Python costs
+    # about twice what it does in a loop (bench.host_path), and an interval
+    # test walks every interval.
+    _tuner_eager: dict[int, bool]
     # M intervals (within the others) where a strided input is gathered for
     # the kernel: the kernel saves more there than the host cost and the copy.
     tuner_gather: tuple[tuple[int, int], ...] = ()
@@ -151,13 +159,23 @@ class TunedLinear(nn.Linear):
         every = self._tuner_spans + self._tuner_compiled_spans
         k = self.in_features
         self._tuner_bounds = (min(lo for lo, _ in every) * k, max(hi for _, hi in every) * k) if every else (1, 0)
+        self._tuner_eager = {}
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         lo, hi = self._tuner_bounds
         n = input.numel()
-        if lo <= n <= hi and _inside(n // self.in_features,
-                                     self._tuner_compiled_spans if _compiling() else self._tuner_spans):
-            return self._tuned(input)
+        if lo <= n <= hi:
+            # Dynamo traces the compiled intervals' test into the graph (a
+            # guard on M); an eager call looks its size up.
+            if _dynamo_compiling():
+                if _inside(n // self.in_features, self._tuner_compiled_spans):
+                    return self._tuned(input)
+            else:
+                kernel = self._tuner_eager.get(n)
+                if kernel is None:
+                    kernel = self._tuner_eager[n] = _inside(n // self.in_features, self._tuner_spans)
+                if kernel:
+                    return self._tuned(input)
         # `self.weight` is found by nn.Module.__getattr__ after the instance
         # lookup fails: reading the parameters' dict skips that, which pays
         # for the interval test above (on the CI host such a call took 0.7 us
@@ -189,7 +207,7 @@ class TunedLinear(nn.Linear):
         m = x.shape[0]
         run = None if _compiling() else self.tuner_launchers.get(m)
         if run is not None and not x.data_ptr() % _ALIGN:
-            y = torch.empty((m, self.out_features), dtype=x.dtype, device=x.device)
+            y = x.new_empty((m, self.out_features))  # (fewer arguments to parse than torch.empty's)
             run(x, w, y)
         else:
             wt = w.t()
@@ -543,8 +561,8 @@ def _shape(layer: nn.Linear) -> tuple[int, int, torch.dtype]:
 def _restore(layer: nn.Module) -> None:
     if type(layer) is TunedLinear:
         layer.__class__ = nn.Linear
-        for name in ("_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "tuner_launchers", "tuner_graphs",
-                     "tuner_gather"):
+        for name in ("_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "_tuner_eager", "tuner_launchers",
+                     "tuner_graphs", "tuner_gather"):
             layer.__dict__.pop(name, None)
 
 
