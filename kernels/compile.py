@@ -470,16 +470,16 @@ def _zeroed_outside_capture(words: int, device_index: int):
     """A zeroed int32 buffer of `words`, made on a stream no capture records.
 
     The kernels leave the semaphores (and the scheduler's counters) at zero,
-    so only the first replay needs them cleared; a clear captured into the graph would run before every
-    replay, and at a few microseconds' kernel that node cost up to 9 %
-    (`bench.dynamic_m`, the first split-K point of a family). Nor may the
-    buffer come from the capture's own memory pool: that pool hands out
-    blocks the graph freed earlier in the capture, which the graph's earlier
-    kernels then write at every replay before the split-K launch reads its
-    semaphores (a Phi-3 decode step's attention temporaries under its o
-    projection: 5.5x the product's norm in error). The capture may forbid
-    allocating and synchronizing (its default, global mode): this thread
-    relaxes that while it makes the buffer."""
+    so only the first replay needs them cleared; a clear captured into the
+    graph would run before every replay, and at a few microseconds' kernel
+    that node cost up to 9 % (`bench.dynamic_m`, the first split-K point of
+    a family). Nor may the buffer come from the capture's own memory pool:
+    that pool hands out blocks the graph freed earlier in the capture, which
+    the graph's earlier kernels then write at every replay before the
+    split-K launch reads its semaphores (a Phi-3 decode step's attention
+    temporaries under its o projection: 5.5x the product's norm in error).
+    The capture may forbid allocating and synchronizing (its default, global
+    mode): this thread relaxes that while it makes the buffer."""
     import torch
     from cuda.bindings import driver
 

@@ -260,6 +260,18 @@ def test_traced_calls_take_the_compiled_spans_and_eager_calls_the_eager_ones(spy
     assert calls == [(4, 128)]
 
 
+def test_a_symbolic_size_takes_the_eager_intervals_without_a_lookup(spy):
+    """Non-strict export runs the eager forward with a symbolic M: no
+    dictionary key, so the layer tests its intervals on it."""
+    calls, spans = spy
+    spans[(128, 64)] = ((1, 16),)
+    layer = patch(_net(), bias=True)[0].requires_grad_(False)  # (autograd calls run F.linear)
+    rows = torch.export.Dim("rows", min=2, max=16)
+    torch.export.export(layer, (torch.randn(4, 64, dtype=torch.bfloat16),), dynamic_shapes=({0: rows},),
+                        strict=False)
+    assert calls and layer._tuner_eager == {}
+
+
 def test_spans_are_kept_only_where_the_saving_covers_the_host_cost(spy, monkeypatch):
     calls, spans = spy
     monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (10.0, 30.0))
