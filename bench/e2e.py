@@ -35,13 +35,14 @@ downloaded).
    copy plays each variant for half the rounds, with its own KV cache, and
    each variant leads half the rounds (`_both_ways`), so that what sets one
    copy or one place in the order apart cancels. Eager, the variants are
-   the patched model itself in two roles (`_Role`): before each call its
-   patched layers take the role's class, `TunedLinear` or `nn.Linear` (an
-   assignment per layer, made in both roles alike; the layers keep their
-   intervals and kept launches), so that the weights, the code around the
-   layers and where the forward's tensors land are the same in both: two
-   copies that made no kernel call read 0.989-1.000 apart, with both
-   halves of a case on the same side.
+   one model, patched as an eager-only user patches it
+   (`patch(compiled=False)`, with the intervals the check left), in two
+   roles (`_Role`): before each call its patched layers take the role's
+   class, `TunedLinear` or `nn.Linear` (an assignment per layer, made in
+   both roles alike; the layers keep their intervals and kept launches), so
+   that the weights, the code around the layers and where the forward's
+   tensors land are the same in both: two copies that made no kernel call
+   read 0.989-1.000 apart, with both halves of a case on the same side.
    Layers with a bias (Qwen's q, k, v) stay with cuBLAS, as `patch` does by
    default. The two variants alternate, timed on the host clock after a
    sync (the host's cost is part of what a user waits for): prefill one
@@ -277,20 +278,29 @@ def _swap(models: dict) -> None:
         return
     done, fresh = models["patched"], models["unpatched"]
     graphs = any(getattr(layer, "tuner_graphs", False) for layer in done.modules())
+    _patch_like(fresh, done, graphs=graphs, compiled=True)
+    unpatch(done)
+    models["unpatched"], models["patched"] = done, fresh
+
+
+def _patch_like(model: torch.nn.Module, checked: torch.nn.Module, *, graphs: bool, compiled: bool) -> None:
+    """Patch `model` (`patch(graphs=, compiled=)`) and give its layers the
+    intervals `checked`'s twins were left with (by `patch` and `check`): the
+    eager ones, and the compiled ones where `compiled`; a layer left with
+    none is an `nn.Linear`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch's warnings are in the record
-        patch(fresh, graphs=graphs)
-    for name, layer in done.named_modules():
+        patch(model, graphs=graphs, compiled=compiled)
+    for name, layer in checked.named_modules():
         if not isinstance(layer, torch.nn.Linear):
             continue
-        twin = fresh.get_submodule(name)
-        if hasattr(layer, "tuner_spans"):
-            twin.tuner_spans, twin.tuner_compiled_spans = layer.tuner_spans, layer.tuner_compiled_spans
+        twin = model.get_submodule(name)
+        if type(twin) is TunedLinear and hasattr(layer, "tuner_spans") and (layer.tuner_spans or compiled):
+            twin.tuner_spans = layer.tuner_spans
+            twin.tuner_compiled_spans = layer.tuner_compiled_spans if compiled else ()
             twin.tuner_gather = layer.tuner_gather
         else:
             unpatch(twin)
-    unpatch(done)
-    models["unpatched"], models["patched"] = done, fresh
 
 
 def _kernel_calls(layers: dict[str, torch.nn.Linear], linears: int, m_layers: int, m_head: int, head_strided: bool) -> dict:
@@ -325,7 +335,12 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
               f"forwards x{c.forward_speedup or math.nan:.3f} (2 se {2 * (c.forward_log_se or math.nan):.3f}): "
               f"{'kept' if c.kept else 'compiled only' if c.calls_won else 'to cuBLAS'}", file=sys.stderr)
     models = {"unpatched": model, "patched": tuned}
-    roles = _roles(tuned)
+    # Eager runs (not replayed): a third copy, as `patch(compiled=False)` and the check leave it.
+    roles = {}
+    if "eager" in args.modes and not args.graphs:
+        eager = copy.deepcopy(model)
+        _patch_like(eager, tuned, graphs=False, compiled=False)
+        roles = _roles(eager)
     patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
@@ -371,7 +386,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
             record["decode"][-1]["kernel_calls"] = _kernel_calls(patched_layers, linears, batch, batch, head_strided=False)
             _report(name, "decode", record["decode"][-1])
             checkpoint(record)
-    del model, tuned, models
+    del model, tuned, models, roles
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return record

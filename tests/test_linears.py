@@ -169,6 +169,29 @@ def test_the_e2e_speedup_keeps_the_order_effect_out():
         paired_speedup(pairs[:1] + pairs[1::2])
 
 
+def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch):
+    """`_patch_like(..., compiled=False)`: the checked copy's eager intervals,
+    no compiled ones, and a layer the check left none is an nn.Linear."""
+    import copy
+    import importlib
+
+    from bench.e2e import _patch_like
+    from tuner import dispatch, patch
+    from tuner.lookup import Span
+
+    patch_module = importlib.import_module("tuner.patch")
+    monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, patch_module.TunedLinear))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
+    plain = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)).to(torch.bfloat16)
+    checked = patch(copy.deepcopy(plain))
+    checked[0].tuner_spans = ((1, 3),)  # as a check leaves them
+    checked[1].tuner_spans = ()  # compiled only
+    eager = copy.deepcopy(plain)
+    _patch_like(eager, checked, graphs=False, compiled=False)
+    assert (eager[0].tuner_spans, eager[0].tuner_compiled_spans) == (((1, 3),), ())
+    assert type(eager[1]) is nn.Linear
+
+
 def test_timed_pairs_run_with_the_garbage_collector_paused_and_restored():
     import gc
 

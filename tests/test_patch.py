@@ -260,6 +260,25 @@ def test_traced_calls_take_the_compiled_spans_and_eager_calls_the_eager_ones(spy
     assert calls == [(4, 128)]
 
 
+def test_a_model_patched_for_eager_only_keeps_no_compiled_interval(spy, monkeypatch):
+    """`compiled=False`: a layer whose kernels would pay only in compiled
+    graphs stays an nn.Linear; the others keep their eager intervals alone."""
+    calls, spans = spy
+    monkeypatch.setattr(patch_module, "_measure_host_costs", lambda layer, m: (30.0, 10.0))
+    spans[(128, 64)] = ((1, 8, 50.0), (9, 16, 20.0))
+    spans[(32, 128)] = ((1, 8, 20.0),)
+    net = patch(_net(), bias=True)
+    assert (net[0].tuner_spans, net[0].tuner_compiled_spans) == (((1, 8),), ((1, 8), (9, 16)))
+    assert type(net[2]) is TunedLinear and net[2].tuner_spans == ()
+    with patched(_net(), bias=True, compiled=False) as eager:
+        assert (eager[0].tuner_spans, eager[0].tuner_compiled_spans) == (((1, 8),), ())
+        assert type(eager[2]) is nn.Linear
+        x = torch.randn(12, 64, dtype=torch.bfloat16)
+        with torch.no_grad():
+            torch.compile(eager[0], backend="eager", fullgraph=True)(x)
+    assert calls == []
+
+
 def test_a_symbolic_size_takes_the_eager_intervals_without_a_lookup(spy):
     """Non-strict export runs the eager forward with a symbolic M: no
     dictionary key, so the layer tests its intervals on it."""

@@ -224,16 +224,20 @@ class TunedLinear(nn.Linear):
         return y if flat else y.view(*input.shape[:-1], self.out_features)
 
 
-def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False) -> nn.Module:
+def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compiled: bool = True) -> nn.Module:
     """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
     dispatch (module doc); returns `model`. `bias`: layers with a bias too
     (added after the product). `graphs`: the model's forwards are replayed
     from CUDA graphs (a serving engine's captured decode steps, or
     `torch.compile(mode="reduce-overhead")`): a replay runs no host code, so
     every kernel interval of the maps is kept, eager and compiled, and
-    `check` judges them by their calls' device time alone. Patching a
-    patched model reads the database again. Warns (`PatchWarning`) when no
-    layer qualifies, and names the shapes nothing is tuned for."""
+    `check` judges them by their calls' device time alone. `compiled=False`:
+    the model runs eager only, so no interval is kept for compiled graphs
+    and a layer without an eager one stays an `nn.Linear` (inside an eager
+    forward a patched call that runs `F.linear` still costs the host more
+    than an unpatched one: module doc). Patching a patched model reads the
+    database again. Warns (`PatchWarning`) when no layer qualifies, and
+    names the shapes nothing is tuned for."""
     layers, biased = [], False
     for m in model.modules():
         if _eligible(m) and (bias or m.bias is None):
@@ -267,11 +271,13 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False) -> nn.M
             _restore(layer)
     for device in {layer.weight.device.index for layer in layers if spans_of[layer]}:
         on_device = [layer for layer in layers if spans_of[layer] and layer.weight.device.index == device]
-        eager, compiled = (0.0, 0.0) if graphs else _costs(device, on_device, spans_of)
+        eager, compiled_cost = (0.0, 0.0) if graphs else _costs(device, on_device, spans_of)
         for layer in on_device:
             layer.tuner_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= eager)
-            layer.tuner_compiled_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= compiled)
-            gather = max(eager, compiled) + _gather_cost(device, layer.weight.dtype, spans_of[layer])
+            layer.tuner_compiled_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer]
+                                               if compiled and saving >= compiled_cost)
+            gather = max(eager, compiled_cost if compiled else 0.0) + _gather_cost(device, layer.weight.dtype,
+                                                                                   spans_of[layer])
             layer.tuner_gather = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= gather)
             if not layer.tuner_spans and not layer.tuner_compiled_spans:
                 _restore(layer)
@@ -646,9 +652,10 @@ def _measure_host_costs(layer: TunedLinear, m: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def patched(model: nn.Module, *, bias: bool = False, graphs: bool = False) -> Iterator[nn.Module]:
-    """`patch(model, bias=bias, graphs=graphs)` for the block, `unpatch(model)` after it."""
-    patch(model, bias=bias, graphs=graphs)
+def patched(model: nn.Module, *, bias: bool = False, graphs: bool = False,
+            compiled: bool = True) -> Iterator[nn.Module]:
+    """`patch(model, bias=bias, graphs=graphs, compiled=compiled)` for the block, `unpatch(model)` after it."""
+    patch(model, bias=bias, graphs=graphs, compiled=compiled)
     try:
         yield model
     finally:
