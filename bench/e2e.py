@@ -393,7 +393,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
 
 
 def _cast(models: dict, roles: dict, mode: str, graphs: bool) -> dict:
-    """Who plays the variants: the patched model's roles eager, the two
+    """Who plays the variants: the eager-only copy's roles eager, the two
     copies compiled or replayed from graphs (module doc, step 3)."""
     return roles if mode == "eager" and not graphs else models
 
