@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import importlib
-import math
 import os
 import statistics
 import time
@@ -55,25 +53,9 @@ from kernels import compile as kernels_compile
 from tuner import dispatch, patch, unpatch
 from tuner.linears import build_model
 from tuner.measure import gc_paused
-from tuner.patch import TunedLinear
+from tuner.patch import TunedLinear, host_costs, host_us_per_call
 
 _CALLS = 20
-
-
-def _fastest(paths: dict, batches: int) -> dict:
-    """Host us per call of each path: its fastest batch."""
-    best = dict.fromkeys(paths, math.inf)
-    for fn in paths.values():
-        fn()
-    for _ in range(batches):
-        for name, fn in paths.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(_CALLS):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / _CALLS)
-    torch.cuda.synchronize()
-    return {name: round(1e6 * s, 2) for name, s in best.items()}
 
 
 def _layer_paths(layer: TunedLinear, m: int) -> dict | None:
@@ -167,7 +149,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             paths = _layer_paths(layer, m)
             if paths is None:
                 continue
-            us = _fastest(paths, args.batches)
+            us = host_us_per_call(paths, batches=args.batches, calls=_CALLS)
+            us = {name: round(v, 2) for name, v in us.items()}
             rows.append({"layer": path, "n": layer.out_features, "k": layer.in_features, "m": m, "host_us": us})
             print(f"{name} {path} {layer.out_features}x{layer.in_features} M={m}: "
                   + ", ".join(f"{p} {v:.1f}" for p, v in us.items()), flush=True)
@@ -195,7 +178,7 @@ def main() -> None:
     args = parser.parse_args()
     dispatch.configure(args.db)
     models = [bench_model(name, args) for name in args.models]
-    eager, compiled = importlib.import_module("tuner.patch").host_costs()
+    eager, compiled = host_costs()
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls_per_batch": _CALLS,
               "batches": args.batches, "patch_host_costs_us": {"eager": eager, "compiled": compiled},
               "models": models}

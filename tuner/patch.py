@@ -622,10 +622,8 @@ def _measure_host_costs(layer: TunedLinear, m: int) -> tuple[float, float]:
     compiled), on `layer` at M = `m`: the launch kept by `TunedLinear`
     against `F.linear` on an input of (batch, sequence, features), as a
     model's layers take it, and the registered op against `torch.mm` into a
-    given output (what a compiled graph calls for a linear). Each path is called in
-    batches without a sync, so the batch's wall time is the host's (the
-    device's queue does not fill); a path's fastest batch counts (the host's
-    noise only adds), and a negative difference is none."""
+    given output (what a compiled graph calls for a linear), each timed by
+    `host_us_per_call`; a negative difference is none."""
     w = layer.weight
     x = torch.randn(1, m, layer.in_features, device=w.device, dtype=w.dtype)
     rows, wt, out = x[0], w.t(), torch.empty(m, layer.out_features, device=w.device, dtype=w.dtype)
@@ -634,21 +632,32 @@ def _measure_host_costs(layer: TunedLinear, m: int) -> tuple[float, float]:
         "kernel": lambda: layer._tuned(x), "linear": lambda: F.linear(x, w),
         "op": lambda: torch.ops.gemm_tuner.gemm(rows, wt, None), "mm": lambda: torch.mm(rows, wt, out=out),
     }
-    best = dict.fromkeys(paths, math.inf)
     with torch.no_grad():
-        for fn in paths.values():
-            fn()  # builds, decides and keeps the launch
-        # Batches of the paths interleave, so a slow spell of the host
-        # (another process, a clock change) hits every path alike.
-        for _ in range(_COST_BATCHES):
-            for name, fn in paths.items():
-                torch.cuda.synchronize(w.device)
-                start = time.perf_counter()
-                for _ in range(_COST_CALLS):
-                    fn()
-                best[name] = min(best[name], (time.perf_counter() - start) / _COST_CALLS)
-        torch.cuda.synchronize(w.device)
-    return max(0.0, 1e6 * (best["kernel"] - best["linear"])), max(0.0, 1e6 * (best["op"] - best["mm"]))
+        us = host_us_per_call(paths, w.device)
+    return max(0.0, us["kernel"] - us["linear"]), max(0.0, us["op"] - us["mm"])
+
+
+def host_us_per_call(paths: dict[str, Callable[[], object]], device: torch.device | None = None,
+                     batches: int = _COST_BATCHES, calls: int = _COST_CALLS) -> dict[str, float]:
+    """Host us per call of each of `paths` on CUDA `device`: each is called
+    once first (to decide, build and keep its launch), then in `batches`
+    batches of `calls` calls without a sync, so a batch's wall time is
+    the host's (the device's queue does not fill); a path's fastest batch
+    counts (the host's noise only adds). The paths' batches interleave, so a
+    slow spell of the host (another process, a clock change) hits every
+    path alike."""
+    best = dict.fromkeys(paths, math.inf)
+    for fn in paths.values():
+        fn()
+    for _ in range(batches):
+        for name, fn in paths.items():
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    torch.cuda.synchronize(device)
+    return {name: 1e6 * s for name, s in best.items()}
 
 
 @contextlib.contextmanager
