@@ -25,8 +25,9 @@ Also records what `patch` measured the kernel path to add (`host_costs`).
 Then the same calls inside the model's own forward (`--steps` eager decode
 steps at batch 1 into a static KV cache, the collector paused), where the
 host's caches hold the rest of the forward's code too: each linear layer's
-`forward`, a patched layer's kernel path (`_tuned`) and the runner are timed
-in place (their methods wrapped for the run, every one alike), with the
+call (`nn.Module.__call__` of an `nn.Linear`, a patched layer's own
+`__call__`), a patched layer's kernel path (`_tuned`) and the runner are
+timed in place (their methods wrapped for the run, every one alike), with the
 step's enqueue and whole time, for the model unpatched, patched (every
 kernel interval `patch` kept, no `check`) and patched with no eager
 interval left (every call through `F.linear` behind the interval test).
@@ -77,26 +78,30 @@ def _layer_paths(layer: TunedLinear, m: int) -> dict | None:
     }
 
 
-# What `_timed_in_place` wraps: (class, method, label).
-_IN_PLACE = ((torch.nn.Linear, "forward", "nn.Linear.forward"), (TunedLinear, "forward", "TunedLinear.forward"),
-             (TunedLinear, "_tuned", "kernel_path"), (kernels_compile._Runner, "__call__", "runner"))
+# What `_timed_in_place` wraps: (class, method, label, the only type timed
+# or None). nn.Linear's call is nn.Module's, shared by every module.
+_IN_PLACE = ((torch.nn.Module, "__call__", "nn.Linear call", torch.nn.Linear),
+             (TunedLinear, "__call__", "patched call", None), (TunedLinear, "_tuned", "kernel_path", None),
+             (kernels_compile._Runner, "__call__", "runner", None))
 
 
 @contextlib.contextmanager
 def _timed_in_place(calls: dict):
     """Every method of `_IN_PLACE` appends its calls' host ns to `calls[label]`."""
-    def timed(fn, label):
-        def call(*args):
+    def timed(fn, label, only):
+        def call(self, *args, **kwargs):
+            if only is not None and type(self) is not only:
+                return fn(self, *args, **kwargs)
             start = time.perf_counter_ns()
-            out = fn(*args)
+            out = fn(self, *args, **kwargs)
             calls[label].append(time.perf_counter_ns() - start)
             return out
         return call
 
-    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in _IN_PLACE]
+    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _, _ in _IN_PLACE]
     try:
-        for cls, attr, label in _IN_PLACE:
-            setattr(cls, attr, timed(cls.__dict__[attr], label))
+        for cls, attr, label, only in _IN_PLACE:
+            setattr(cls, attr, timed(cls.__dict__[attr], label, only))
         yield
     finally:
         for cls, attr, fn in saved:

@@ -129,6 +129,36 @@ def test_patch_swaps_only_plain_linears_and_unpatch_restores_them(spy):
     assert not hasattr(net[0], "tuner_spans") and "tuner_spans" not in net[0].__dict__
 
 
+def test_a_plain_call_skips_the_module_call_and_any_hook_or_tracer_takes_it(spy, monkeypatch):
+    """A patched call with nothing to honour goes straight to forward; hooks
+    (the layer's or global) and the JIT tracer still see nn.Module's call."""
+    calls, spans = spy
+    spans[(128, 64)] = ((1, 8),)
+    net = patch(_net(), bias=True)
+    layer = net[0]
+    module_calls = []
+    call_impl = nn.Module._call_impl
+    monkeypatch.setattr(nn.Module, "_call_impl", lambda self, *a, **k: module_calls.append(self) or call_impl(self, *a, **k))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = layer(x)
+        assert module_calls == [] and calls == [(3, 128)]
+        layer.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+        assert torch.allclose(layer(x), nn.functional.linear(x * 2, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
+        assert module_calls == [layer]
+        layer._forward_pre_hooks.clear()
+        seen = []
+        handle = nn.modules.module.register_module_forward_hook(lambda mod, inp, out: seen.append(type(mod)))
+        try:
+            net(x)
+        finally:
+            handle.remove()
+        assert seen == [TunedLinear, nn.LayerNorm, nn.Linear, _OwnLinear, nn.Sequential]
+        module_calls.clear()
+        traced = torch.jit.trace(layer, (x,), check_trace=False)
+        assert module_calls == [layer] and torch.equal(traced(x), want)
+
+
 def test_only_m_inside_the_kernel_spans_goes_to_gemm_and_outputs_match(spy):
     calls, spans = spy
     net = _net()
