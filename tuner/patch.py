@@ -31,9 +31,10 @@ kernel for it, and the maps measured the product alone.
 A `TunedLinear` call whose M (rows of the flattened input) lies outside its
 intervals (the eager or the compiled set) runs `F.linear` directly, as the
 unpatched layer does, after one comparison of the input's size (or, inside
-the bounds, a lookup of it); in a loop that costs the host no more than
-`nn.Linear`'s own call, though inside a decode step such calls measured
-0.4-2.2 us more (`bench.host_path`). Inside its intervals a call goes to
+the bounds, a lookup of it). A call with no hooks to run (the layer's or
+global), outside a tracer, skips `nn.Module.__call__` for the layer's own
+`__call__`, so it costs the host no more than `nn.Linear`'s call
+(`bench.host_path`). Inside its intervals a call goes to
 `gemm` (which still falls back to cuBLAS where it must) and the bias is
 added after. Once `gemm` has chosen a kernel for an M, the layer keeps its
 runner and calls it directly, skipping every check but the input's
