@@ -2,6 +2,7 @@
 `tuner tune --model`): models built from configs by transformers on the meta
 device, or named as package.module:attr."""
 
+import collections
 import json
 import math
 import os
@@ -289,6 +290,29 @@ def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():
     assert [type(m) for m in net] == [TunedLinear, nn.Linear, TunedLinear]
     assert torch.equal(net(x), want)  # every call outside the intervals: F.linear
     assert _set(net, "plain") == 0 and all(type(m) is nn.Linear for m in net)
+
+
+def test_linear_calls_variants_compute_what_nn_linear_does_and_the_timers_come_off():
+    """bench.linear_calls compares classes of the same layer: each must make
+    the same product, and its per-type timers must leave every call as it was."""
+    from bench.linear_calls import VARIANTS, _per_type
+    from tuner.patch import TunedLinear
+
+    layer = nn.Linear(8, 16)
+    layer.__class__ = TunedLinear
+    layer.tuner_launchers, layer.tuner_compiled_spans, layer.tuner_spans = {}, (), ((4096, 4096),)
+    x = torch.randn(3, 8)
+    want = nn.functional.linear(x, layer.weight, layer.bias)
+    calls = {cls: cls.__dict__["__call__"] for cls in (nn.Module, *VARIANTS.values()) if "__call__" in cls.__dict__}
+    with torch.no_grad():
+        for cls in VARIANTS.values():
+            layer.__class__ = cls
+            assert torch.equal(layer(x), want), cls
+            acc = collections.defaultdict(int)
+            with _per_type(acc):
+                assert torch.equal(layer(x), want)
+            assert set(acc) == {"linear"} and acc["linear"] > 0, cls
+    assert calls == {cls: cls.__dict__["__call__"] for cls in calls}
 
 
 def test_the_e2e_speed_counts_the_halves_disagreement_as_noise():
