@@ -1,6 +1,8 @@
 """`tuner.patch(model)`: a model's linear layers through the tuned dispatch."""
 
+import copy
 import importlib
+import io
 import math
 import random
 import warnings
@@ -266,6 +268,37 @@ def test_a_kernel_runner_is_kept_per_m_and_used_for_aligned_inputs(spy, monkeypa
         assert net[0].tuner_launchers == {2: runner}
     assert calls == [(2, 128), (2, 128), (3, 128)] and launched == [((2, 64), (128, 64), (2, 128))]
     assert torch.equal(first, again) and again.shape == (*x.shape[:-1], 32)
+
+
+def test_a_patched_model_copies_and_pickles_without_its_kept_runners(spy):
+    """Kept runners hold compiled code that cannot be copied: a deepcopy or a
+    torch.save of a patched model that has run kernels starts without them."""
+
+    class Runner:  # as uncopyable as a compiled kernel
+        def __call__(self, x, w, y):
+            torch.mm(x, w.t(), out=y)
+
+        def __reduce_ex__(self, protocol):
+            raise TypeError("cannot pickle 'Module' object")
+
+    calls, spans = spy
+    spans[(128, 64)] = ((1, 8),)
+    net = patch(_net(), bias=True)
+    net[0].tuner_launchers[4] = Runner()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = net(x)
+    twin = copy.deepcopy(net)
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (twin, loaded):
+        assert type(other[0]) is TunedLinear and other[0].tuner_launchers == {}
+        assert other[0].tuner_spans == net[0].tuner_spans and other[0].weight is not net[0].weight
+        with torch.no_grad():
+            assert torch.equal(other(x), want)
+    assert list(net[0].tuner_launchers) == [4]  # the original keeps its own
 
 
 def test_a_launch_of_another_layout_is_not_kept(spy, monkeypatch):
@@ -694,6 +727,24 @@ def test_patched_model_matches_unpatched_and_runs_the_kernels(tiny):
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     assert dispatch.explain(x, tiny.model.layers[0].self_attn.q_proj.weight.t()).path == "kernel"
     assert _rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_a_patched_model_that_kept_its_kernels_deep_copies(tiny):
+    """The kept runners hold compiled code: the copy starts without them,
+    makes the same logits and keeps its own."""
+
+    ids = torch.randint(0, TINY["vocab_size"], (2, 64), device="cuda")
+    with warnings.catch_warnings(), patched(tiny):
+        _strict()
+        with torch.inference_mode():
+            got = tiny(ids).logits
+        assert all(m.tuner_launchers for m in tiny.model.layers.modules() if type(m) is TunedLinear)
+        twin = copy.deepcopy(tiny)
+        assert not any(m.tuner_launchers for m in twin.modules() if type(m) is TunedLinear)
+        with torch.inference_mode():
+            assert torch.equal(twin(ids).logits, got)
+        assert all(m.tuner_launchers for m in twin.model.layers.modules() if type(m) is TunedLinear)
 
 
 @pytest.mark.gpu

@@ -43,7 +43,9 @@ alignment (a decode step is launch-bound). Under
 so a layer's graph holds either the plain `linear` or the `gemm_tuner::gemm`
 op, not both; CUDA graph capture works once each key has been called before
 capturing. Patch again after retuning or `dispatch.configure` to read the
-new choices.
+new choices. A patched model copies (`copy.deepcopy`) and pickles
+(`torch.save` of the module) as it is patched; the kept runners, compiled
+code that can be neither, stay behind, and the copy keeps its own.
 
 The maps timed each GEMM alone. `check(model, workload)` times the patched
 layers inside the model's own forward, kernel against `F.linear`, and takes
@@ -167,6 +169,12 @@ class TunedLinear(nn.Linear):
         k = self.in_features
         self._tuner_bounds = (min(lo for lo, _ in every) * k, max(hi for _, hi in every) * k) if every else (1, 0)
         self._tuner_eager = {}
+
+    def __getstate__(self) -> dict:
+        # The kept runners hold compiled code, which can be neither copied nor
+        # pickled: a copy (copy.deepcopy, torch.save of the module) starts
+        # without them and keeps its own as it is called.
+        return {**super().__getstate__(), "tuner_launchers": {}}
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         # nn.Module's call passes through two frames and its hook tests
