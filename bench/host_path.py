@@ -78,30 +78,34 @@ def _layer_paths(layer: TunedLinear, m: int) -> dict | None:
     }
 
 
-# What `_timed_in_place` wraps: (class, method, label, the only type timed
-# or None). nn.Linear's call is nn.Module's, shared by every module.
-_IN_PLACE = ((torch.nn.Module, "__call__", "nn.Linear call", torch.nn.Linear),
-             (TunedLinear, "__call__", "patched call", None), (TunedLinear, "_tuned", "kernel_path", None),
-             (kernels_compile._Runner, "__call__", "runner", None))
+# What `_in_forward` times in place: (class, method, the label of a call on
+# an instance, or None for calls not timed). nn.Linear's call is
+# nn.Module's, shared by every module.
+_IN_PLACE = ((torch.nn.Module, "__call__", lambda m: "nn.Linear call" if type(m) is torch.nn.Linear else None),
+             (TunedLinear, "__call__", lambda m: "patched call"), (TunedLinear, "_tuned", lambda m: "kernel_path"),
+             (kernels_compile._Runner, "__call__", lambda m: "runner"))
 
 
 @contextlib.contextmanager
-def _timed_in_place(calls: dict):
-    """Every method of `_IN_PLACE` appends its calls' host ns to `calls[label]`."""
-    def timed(fn, label, only):
+def timed_in_place(methods, record):
+    """Inside the block each (class, method name, label) of `methods` times
+    its calls on the host clock: `record(label(instance), ns)` after each
+    call whose label is not None. The class's own methods come back after."""
+    def timed(fn, label):
         def call(self, *args, **kwargs):
-            if only is not None and type(self) is not only:
+            key = label(self)
+            if key is None:
                 return fn(self, *args, **kwargs)
             start = time.perf_counter_ns()
             out = fn(self, *args, **kwargs)
-            calls[label].append(time.perf_counter_ns() - start)
+            record(key, time.perf_counter_ns() - start)
             return out
         return call
 
-    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _, _ in _IN_PLACE]
+    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in methods]
     try:
-        for cls, attr, label, only in _IN_PLACE:
-            setattr(cls, attr, timed(cls.__dict__[attr], label, only))
+        for cls, attr, label in methods:
+            setattr(cls, attr, timed(cls.__dict__[attr], label))
         yield
     finally:
         for cls, attr, fn in saved:
@@ -119,7 +123,7 @@ def _in_forward(model, steps: int) -> dict:
     with torch.no_grad():
         for i in range(8):  # warm-up: kernels decided, built and kept
             model(input_ids=token, past_key_values=cache, cache_position=positions[i])
-        with gc_paused(), _timed_in_place(calls):
+        with gc_paused(), timed_in_place(_IN_PLACE, lambda key, ns: calls[key].append(ns)):
             for i in range(8, steps + 8):
                 torch.cuda.synchronize()
                 start = time.perf_counter()

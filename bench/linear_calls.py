@@ -42,6 +42,7 @@ import time
 import torch
 from torch import nn
 
+from bench.host_path import timed_in_place
 from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner.linears import build_model
@@ -73,29 +74,19 @@ VARIANTS = {"nn.Linear": nn.Linear, "subclass": _Subclass, "patched": TunedLinea
             "via_module": _ViaModule, "direct": _Direct}
 
 
-@contextlib.contextmanager
 def _per_type(acc: dict):
-    """Each module call adds its host ns to `acc[its type's name]` (a linear
-    layer's under "linear", whatever its class)."""
-    # The classes whose own __call__ a module call runs.
-    calls = {cls: cls.__dict__["__call__"] for cls in (nn.Module, TunedLinear, _ViaModule)}
+    """Inside the block each module call adds its host ns to `acc[its type's
+    name]` (a linear layer's under "linear", whatever its class)."""
     linear = tuple(VARIANTS.values())
 
-    def timed(call):
-        def wrapper(self, *args, **kwargs):
-            start = time.perf_counter_ns()
-            out = call(self, *args, **kwargs)
-            acc["linear" if isinstance(self, linear) else type(self).__name__] += time.perf_counter_ns() - start
-            return out
-        return wrapper
+    def label(module: nn.Module) -> str:
+        return "linear" if isinstance(module, linear) else type(module).__name__
 
-    for cls, call in calls.items():
-        cls.__call__ = timed(call)
-    try:
-        yield
-    finally:
-        for cls, call in calls.items():
-            cls.__call__ = call
+    def add(key: str, ns: int) -> None:
+        acc[key] += ns
+
+    # The classes whose own __call__ a module call runs.
+    return timed_in_place([(cls, "__call__", label) for cls in (nn.Module, TunedLinear, _ViaModule)], add)
 
 
 def _steps(model, layers: list, batch: int, rounds: int, per_type: bool) -> dict:
