@@ -32,9 +32,9 @@ A `TunedLinear` call whose M (rows of the flattened input) lies outside its
 intervals (the eager or the compiled set) runs `F.linear` directly, as the
 unpatched layer does, after one comparison of the input's size (or, inside
 the bounds, a lookup of it). A call with no hooks to run (the layer's or
-global), outside a tracer, skips `nn.Module.__call__` for the layer's own
-`__call__`, so it costs the host no more than `nn.Linear`'s call
-(`bench.host_path`). Inside its intervals a call goes to
+global), outside the JIT tracer, skips `nn.Module.__call__`: the layer's own
+`__call__` makes that comparison and calls `F.linear` from one Python frame,
+where `nn.Linear`'s call runs five (`bench.linear_calls`). Inside its intervals a call goes to
 `gemm` (which still falls back to cuBLAS where it must) and the bias is
 added after. Once `gemm` has chosen a kernel for an M, the layer keeps its
 runner and calls it directly, skipping every check but the input's
@@ -184,21 +184,27 @@ class TunedLinear(nn.Linear):
         return {**super().__getstate__(), "tuner_launchers": {}}
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        # nn.Module's call passes through two frames and its hook tests
-        # before it reaches forward: in a forward that waits on the host (a
-        # decode step) that costs more than the interval test, and a patched
-        # call must not cost more than the nn.Linear it replaces. So a plain
-        # call (no hooks anywhere, no tracer, a plain tensor) goes straight
-        # to forward; anything else takes nn.Module's own call. TorchDynamo
-        # inlines this and takes the first branch, FX proxies and fake
-        # tensors fail the type test, and the JIT tracer is asked.
-        if (_dynamo_compiling() or type(input) is not torch.Tensor
-                or self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
+        # nn.Linear's call runs five Python frames (nn.Module's call, its
+        # hook tests, forward, two parameter lookups); in a forward that
+        # waits on the host (a decode step) each costs a few tenths of a
+        # microsecond, and most calls fall outside the intervals. So a plain
+        # call (a plain tensor, no hooks anywhere, no compiled call of the
+        # layer's own, no JIT trace) makes the bounds test of `forward` here
+        # and runs F.linear from this one frame, with no Python call between;
+        # anything else takes nn.Module's own call. TorchDynamo traces this
+        # as it reads (the JIT tracer's state is a constant to it), and FX
+        # proxies and fake tensors fail the type test.
+        if type(input) is torch.Tensor and not (
+                self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _global_forward_pre_hooks or _global_forward_hooks
                 or _global_backward_pre_hooks or _global_backward_hooks
                 or self._compiled_call_impl is not None or _jit_tracing()):
-            return nn.Module.__call__(self, input)
-        return self.forward(input)
+            lo, hi = self._tuner_bounds
+            if lo <= input.numel() <= hi:
+                return self.forward(input)
+            p = self._parameters
+            return F.linear(input, p["weight"], p["bias"])
+        return nn.Module.__call__(self, input)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         lo, hi = self._tuner_bounds
