@@ -166,6 +166,25 @@ def test_a_plain_call_skips_the_module_call_and_any_hook_or_tracer_takes_it(spy,
         assert module_calls == [layer] and torch.equal(traced(x), want)
 
 
+def test_a_plain_call_runs_f_linear_from_its_own_frame_outside_the_intervals(spy, monkeypatch):
+    """Outside the bounds, and inside them at a size forward found in no
+    eager interval, a plain call runs F.linear without entering forward;
+    a size inside an interval, or one not seen yet, goes to forward."""
+    calls, spans = spy
+    spans[(128, 64)] = ((2, 2), (32, 64))
+    net = patch(_net(), bias=True)
+    layer = net[0]
+    forwards = []
+    forward = TunedLinear.forward
+    monkeypatch.setattr(TunedLinear, "forward", lambda self, input: (forwards.append(input.shape[0]), forward(self, input))[1])
+    with torch.no_grad():
+        for m in (1, 16, 16, 40, 40, 100):
+            x = torch.randn(m, 64, dtype=torch.bfloat16)
+            assert torch.allclose(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
+    assert forwards == [16, 40, 40]  # 1 and 100: out of bounds; 16: no interval, known after its first call
+    assert calls == [(40, 128), (40, 128)]
+
+
 def test_only_m_inside_the_kernel_spans_goes_to_gemm_and_outputs_match(spy):
     calls, spans = spy
     net = _net()
