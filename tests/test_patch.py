@@ -532,6 +532,34 @@ def test_check_keeps_a_kernel_only_where_its_calls_and_their_forwards_won(slow):
     assert type(net[3]) is not TunedLinear
 
 
+def test_check_measures_a_losing_forward_again_with_its_largest_saving_alone(slow):
+    """Both kernels win their calls at M = 2: net[0]'s saves 2 ms, net[2]'s
+    0.1 ms but leaves 3 ms of host work behind it, so the forward with both
+    loses. With net[0]'s alone it wins, and only net[0]'s stays eager."""
+    spans, sleeps, clock = slow
+    spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),)})
+    sleeps.update({("cublas", 128, 2): 2e-3, ("cublas", 32, 2): 1e-4})
+    net = _net()
+    debt = []
+    gemm = dispatch.gemm
+
+    def leaving_debt(a, b, out=None, *, offs=None):
+        if b.shape[1] == 32:
+            debt.append(3e-3)
+        return gemm(a, b)
+
+    dispatch.gemm = leaving_debt  # the fixture's monkeypatch puts the original back
+    net[3].register_forward_pre_hook(lambda mod, args: clock.sleep(debt.pop() if debt else 0))
+    patch(net, bias=True)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    found = {c.n: c for c in check(net, lambda: net(x), rounds=8)}
+    assert found[128].calls_won and found[32].calls_won
+    assert found[128].kept and found[128].forward_speedup > 1  # measured with net[0]'s kernel alone
+    assert not found[32].kept
+    assert net[0].tuner_spans == ((1, 8),) and net[2].tuner_spans == ()
+    assert net[2].tuner_compiled_spans == ((1, 8),)  # compiled graphs pay no eager host work
+
+
 def test_check_calls_a_forward_faster_only_within_its_noise_a_tie(slow):
     """The calls save 1 % (exactly: the clock has no noise), but the
     forwards around them swing by far more: eager calls go back to cuBLAS,

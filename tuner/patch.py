@@ -79,7 +79,7 @@ from torch.nn.modules.module import (
 )
 
 from tuner import dispatch
-from tuner.measure import gc_paused, paired_speedup
+from tuner.measure import gc_paused, paired_speedup, trimmed_mean
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # Looked up once: every patched call asks one (TorchDynamo knows the
@@ -396,9 +396,14 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     faster with the kernels than without them, by two of its own standard
     errors (a forward no faster within its noise is a tie, and a tie goes
     to cuBLAS). Forwards that neither won nor lost so, around calls that
-    won, are run again, doubling the rounds, up to `_CHECK_MAX_MULTIPLE` times
-    `rounds` (then by `_CHECK_SE_AGAIN` standard errors): a saving smaller
-    than one forward's noise shows once enough forwards are paired. Layers patched with `graphs` are replayed from CUDA graphs,
+    won, are run again, doubling the rounds, up to `_CHECK_MAX_MULTIPLE`
+    times `rounds` (then by `_CHECK_SE_AGAIN` standard errors): a saving
+    smaller than one forward's noise shows once enough forwards are paired.
+    A forward that did not win with several kernels is measured once more
+    with only the one that saved it the most device time (`_solos`): a
+    forward that waits on the host pays every kernel's host cost, and one
+    large saving (a decode step's lm_head) can outweigh its own cost but not
+    the others'. Layers patched with `graphs` are replayed from CUDA graphs,
     where no host time is spent on them: their calls alone decide, each
     timed behind a spin of the device that lets the host enqueue it first.
     Else the stretch of the interval that M stands for goes to cuBLAS
@@ -428,17 +433,18 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
         forwards = _measure(model, won, workload, rounds)[1] if any(won.values()) else {}
     replayed = {_shape(layer) for layer in layers if layer.tuner_graphs}
     judged = [key for key in calls if wins[key] and key[:3] not in replayed]
-    z, done = _CHECK_SE, rounds
-    least = _least_forwards(forwards, z)
-    while done < _CHECK_MAX_MULTIPLE * rounds and any(_undecided(least.get(key), z) for key in judged):
-        more = _measure(model, won, workload, done)[1]
-        forwards = {i: (pairs + more[i][0], keys | more[i][1]) for i, (pairs, keys) in forwards.items() if i in more}
-        z, done = _CHECK_SE_AGAIN, 2 * done
-        least = _least_forwards(forwards, z)
-    found, kept = [], {}
+    least, z = _judge(model, won, workload, rounds, forwards, judged)
+    kept = {key: wins[key] and (key[:3] in replayed or key not in least or _beats(least[key], z)) for key in calls}
+    solos = _solos(forwards, call_pairs, wins, kept, judged)
+    if solos:
+        alone = {layer: _trim(s, _verdicts({key: key in solos for key in calls}, layer)) for layer, s in spans.items()}
+        solo_least, solo_z = _judge(model, alone, workload, rounds, _measure(model, alone, workload, rounds)[1], solos)
+        for key in solos:
+            least[key] = solo_least.get(key, least.get(key))
+            kept[key] = key in solo_least and _beats(solo_least[key], solo_z)
+    found = []
     for key in sorted(calls, key=lambda key: (key[0], key[1], str(key[2]), key[3])):  # dtypes do not order
         (n, k, dtype, m), est, whole = key, calls[key], least.get(key, {})
-        kept[key] = wins[key] and (key[:3] in replayed or not whole or _beats(whole, z))
         found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"],
                              whole.get("speedup"), whole.get("log_se"), wins[key], kept[key]))
     for layer in layers:
@@ -479,6 +485,36 @@ def _measure(model: nn.Module, spans: dict, workload: Callable[[], object], roun
         for layer, s in saved.items():
             layer.tuner_spans = s
     return dict(calls), {i: (pairs, made[i]) for i, pairs in forwards.items()}
+
+
+def _judge(model: nn.Module, spans: dict, workload: Callable[[], object], rounds: int, forwards: dict,
+           judged: list) -> tuple[dict[tuple, dict], float]:
+    """The least forward estimate of each key (`_least_forwards`) from
+    `forwards` (measured with `spans` over `rounds` rounds) and the standard
+    errors it is judged by: while one of the `judged` keys' is undecided,
+    the rounds so far are run again (`_CHECK_MAX_MULTIPLE`, `_CHECK_SE_AGAIN`)."""
+    z, done = _CHECK_SE, rounds
+    least = _least_forwards(forwards, z)
+    while done < _CHECK_MAX_MULTIPLE * rounds and any(_undecided(least.get(key), z) for key in judged):
+        more = _measure(model, spans, workload, done)[1]
+        forwards = {i: (pairs + more[i][0], keys | more[i][1]) for i, (pairs, keys) in forwards.items() if i in more}
+        z, done = _CHECK_SE_AGAIN, 2 * done
+        least = _least_forwards(forwards, z)
+    return least, z
+
+
+def _solos(forwards: dict, call_pairs: dict, wins: dict, kept: dict, judged: list) -> set:
+    """Per forward that made several winning keys' calls and did not keep
+    one of the `judged` ones, the judged key it did not keep that saved the
+    most device time in a run of the workload (cuBLAS's calls less the
+    kernel's, trimmed mean): the one to measure that forward with alone."""
+    saved = {key: trimmed_mean([c - k for c, k, _ in call_pairs[key]]) for key in judged}
+    solos = set()
+    for _, keys in forwards.values():
+        lost = [key for key in keys if key in saved and not kept[key]]
+        if lost and sum(wins.get(key, False) for key in keys) > 1:
+            solos.add(max(lost, key=saved.get))
+    return solos
 
 
 def _beats(est: dict, z: float = _CHECK_SE) -> bool:
