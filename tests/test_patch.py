@@ -496,6 +496,22 @@ def slow(spy, monkeypatch):
     return spans, sleeps, clock
 
 
+def _leave_host_debt(clock: _Clock, owes, payer: nn.Module, seconds: float = 3e-3) -> None:
+    """A kernel call for which `owes(a, b)` holds leaves `seconds` of host
+    work that `payer` does before its forward, outside every timed call (the
+    `slow` fixture's monkeypatch puts the original `gemm` back)."""
+    debt = []
+    gemm = dispatch.gemm
+
+    def leaving_debt(a, b, out=None, *, offs=None):
+        if owes(a, b):
+            debt.append(seconds)
+        return gemm(a, b)
+
+    dispatch.gemm = leaving_debt
+    payer.register_forward_pre_hook(lambda mod, args: clock.sleep(debt.pop() if debt else 0))
+
+
 def test_check_keeps_a_kernel_only_where_its_calls_and_their_forwards_won(slow):
     spans, sleeps, clock = slow
     spans.update({(128, 64): ((1, 8), (100, 200)), (32, 128): ((1, 8),)})
@@ -505,16 +521,7 @@ def test_check_keeps_a_kernel_only_where_its_calls_and_their_forwards_won(slow):
     sleeps.update({("cublas", 128, 2): 2e-3, ("kernel", 32, 2): 1e-3, ("kernel", 128, 6): 2e-3,
                    ("cublas", 32, 6): 1e-3, ("cublas", 128, 150): 1e-3})
     net = _net()
-    debt = []
-    gemm = dispatch.gemm
-
-    def leaving_debt(a, b, out=None, *, offs=None):
-        if a.shape[0] == 150:
-            debt.append(3e-3)
-        return gemm(a, b)
-
-    dispatch.gemm = leaving_debt  # the fixture's monkeypatch puts the original back
-    net[1].register_forward_pre_hook(lambda mod, args: clock.sleep(debt.pop() if debt else 0))
+    _leave_host_debt(clock, lambda a, b: a.shape[0] == 150, net[1])
     patch(net, bias=True)
     xs = [torch.randn(m, 64, dtype=torch.bfloat16) for m in (2, 6, 150)]
     found = check(net, lambda: [net(x) for x in xs], rounds=8)
@@ -540,16 +547,7 @@ def test_check_measures_a_losing_forward_again_with_its_largest_saving_alone(slo
     spans.update({(128, 64): ((1, 8),), (32, 128): ((1, 8),)})
     sleeps.update({("cublas", 128, 2): 2e-3, ("cublas", 32, 2): 1e-4})
     net = _net()
-    debt = []
-    gemm = dispatch.gemm
-
-    def leaving_debt(a, b, out=None, *, offs=None):
-        if b.shape[1] == 32:
-            debt.append(3e-3)
-        return gemm(a, b)
-
-    dispatch.gemm = leaving_debt  # the fixture's monkeypatch puts the original back
-    net[3].register_forward_pre_hook(lambda mod, args: clock.sleep(debt.pop() if debt else 0))
+    _leave_host_debt(clock, lambda a, b: b.shape[1] == 32, net[3])
     patch(net, bias=True)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     found = {c.n: c for c in check(net, lambda: net(x), rounds=8)}
