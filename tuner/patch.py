@@ -34,11 +34,11 @@ unpatched layer does, after one comparison of the input's size (or, inside
 the bounds, a lookup of it). A call with no hooks to run (the layer's or
 global), outside the JIT tracer, skips `nn.Module.__call__`: the layer's own
 `__call__` makes that comparison and calls `F.linear` from one Python frame,
-where `nn.Linear`'s call runs five (`bench.linear_calls`). Inside its intervals a call goes to
-`gemm` (which still falls back to cuBLAS where it must) and the bias is
-added after. Once `gemm` has chosen a kernel for an M, the layer keeps its
-runner and calls it directly, skipping every check but the input's
-alignment (a decode step is launch-bound). Under
+where `nn.Linear`'s call runs five (`bench.linear_calls`). Inside its
+intervals a call goes to `gemm` (which still falls back to cuBLAS where it
+must) and the bias is added after. Once `gemm` has chosen a kernel for an
+M, the layer keeps its runner and calls it directly, skipping every check
+but the input's alignment (a decode step is launch-bound). Under
 `torch.compile` the test is on M at trace time (a guard when M is dynamic),
 so a layer's graph holds either the plain `linear` or the `gemm_tuner::gemm`
 op, not both; CUDA graph capture works once each key has been called before
