@@ -328,6 +328,38 @@ def test_refine_measures_a_range_that_starts_between_points():
             assert r["m_lo"] > 72, r
 
 
+def test_refine_bisects_a_stretch_between_two_kernels_winning_points():
+    """One kernel wins up to M = 64 (one 64-row tile), another from 65 (its
+    wider tile loses at 64); measured at 64 and 76 only, neither holds at
+    both, so 65-75 would go to cuBLAS untimed. Bisected, the second kernel
+    takes the stretch from within DENSE_RATIO of 64, and nothing takes an M
+    where it loses."""
+    from tuner.ladder import DENSE_RATIO, _measure, _refine
+    from tuner.measure import Measurement
+
+    narrow = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=64, stages=8)
+    wide = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=96, stages=8)
+    ms = lambda c, m: {None: 1.0, narrow: 0.9 if m <= 64 else 2.0, wide: 1.2 if m <= 64 else 0.95}[c]  # noqa: E731
+
+    class Backend:
+        name = "synthetic"
+
+        def remeasure(self, key, cfgs, *, cold=False):
+            return [Measurement(ms=ms(c, key.problem.m), ok=True) for c in cfgs]
+
+    template = Key("sm90", "synthetic", Problem(64, 4096, 4096))
+    points = [_measure(template, m, [narrow, wide], Backend()) for m in (64, 76, 91, 128)]
+    assert [(r["m_lo"], r["m_hi"], r["config_name"]) for r in build_map(points)] == [
+        (64, 64, narrow.name()), (65, 75, "cublas"), (76, 128, wide.name())]
+    ranges = build_map(_refine(template, points, Backend()))
+    assert ranges[0]["config_name"] == narrow.name() and ranges[-1]["config_name"] == wide.name()
+    assert ranges[-1]["m_lo"] <= 64 * DENSE_RATIO
+    for r in ranges:
+        if r["config"] is not None:
+            cfg = GemmConfig.from_dict(r["config"])
+            assert all(ms(cfg, m) < 1.0 for m in range(r["m_lo"], r["m_hi"] + 1)), r
+
+
 def test_refine_leaves_wide_leads_alone():
     from tuner.ladder import _measure, _refine
 

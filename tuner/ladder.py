@@ -15,7 +15,9 @@ neighbouring rungs (each also under the stream-K scheduler and under the
 other L2 hint) are re-measured interleaved, each call alone after an L2
 flush (the latency a model's forward sees, not back-to-back throughput); a
 range a kernel takes is measured again at the first M of every tile row
-inside it and, where its lead is thin, between its measured points (`_refine`).
+inside it and, where its lead is thin, between its measured points; a
+stretch the map would give cuBLAS next to a point a kernel took is bisected
+(`_refine`).
 A point measured while the GPU ran slow for a spell (cuBLAS slower there
 than at a larger M) is measured again (`_steady`). From those measurements
 `build_map` makes the family's M map:
@@ -396,6 +398,9 @@ def _refine(template: Key, points: list[tuple], backend: Backend) -> list[tuple]
       M = 65-72, 64x80 at 73-80, 64x88 at 81-95), and a 64x80 kernel of ours
       ran 16 % faster at M = 112 than at 65, in the same tile row.
 
+    And between two points where a kernel beats cuBLAS at one end only, at
+    their midpoint (`_seams`).
+
     Repeats while the map changes, `REFINE_ROUNDS` times at most.
     """
     for _ in range(REFINE_ROUNDS):
@@ -418,11 +423,36 @@ def _refine(template: Key, points: list[tuple], backend: Backend) -> list[tuple]
             for m in wanted:
                 if m not in seen:
                     extra.setdefault(m, cands)
+        for m, cands in _seams(points).items():
+            if m not in seen:
+                extra.setdefault(m, cands)
         if not extra:
             break
         points = sorted(points + [_measure(template, m, cfgs, backend) for m, cfgs in sorted(extra.items())],
                         key=lambda p: p[0])
     return points
+
+
+def _seams(points: list[tuple]) -> dict[int, list[GemmConfig]]:
+    """The geometric midpoint of every stretch between two measured points
+    (more than `DENSE_RATIO` apart) that the map gives cuBLAS although a
+    kernel beats it at one end, with the kernels that beat it at either end.
+
+    Where one kernel's winning M end and another's begin (27B down: 64-row
+    swap_ab tiles of 64 activation rows up to M = 64, of 96 from 76), no
+    kernel holds at both ends and the stretch between would go to cuBLAS
+    unmeasured; bisecting it finds where each kernel stops winning.
+    """
+    out: dict[int, list[GemmConfig]] = {}
+    for (lo, first, named_lo), (hi, second, named_hi) in zip(points, points[1:]):
+        if hi <= lo * DENSE_RATIO or _holds_across(first, second) != BASELINE:
+            continue
+        named = named_lo | named_hi
+        winners = [named[n] for n in dict.fromkeys([*first, *second])
+                   if _beats(first, n) or _beats(second, n)]
+        if winners and lo < (mid := round(math.sqrt(lo * hi))) < hi:
+            out[mid] = winners
+    return out
 
 
 def build_map(points: list[tuple[int, dict[str, float], dict[str, GemmConfig]]]) -> list[dict]:
