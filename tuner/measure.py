@@ -55,10 +55,16 @@ def trimmed_mean(samples: list[float], trim: float = TRIM) -> float:
     in either mode by chance; the trimmed mean weighs both and still drops
     the outliers.
     """
-    ordered = sorted(samples)
-    cut = int(len(ordered) * trim)
+    ordered, cut = _trimming(samples, trim)
     kept = ordered[cut: len(ordered) - cut] or ordered
     return sum(kept) / len(kept)
+
+
+def _trimming(samples: list[float], trim: float) -> tuple[list[float], int]:
+    """The samples in order and how many `trim` drops at each end: one rule
+    for the trimmed mean and its standard error."""
+    ordered = sorted(samples)
+    return ordered, int(len(ordered) * trim)
 
 
 def trimmed_se(samples: list[float], trim: float = TRIM) -> float:
@@ -68,9 +74,8 @@ def trimmed_se(samples: list[float], trim: float = TRIM) -> float:
     the trimmed mean drops: host-timed forwards have a heavy tail (a
     scheduler tick, a clock ramp), and it made the estimate look several
     times noisier than it is."""
-    ordered = sorted(samples)
+    ordered, cut = _trimming(samples, trim)
     n = len(ordered)
-    cut = int(n * trim)
     if n < 2 or n - 2 * cut < 2:
         raise ValueError(f"trimmed_se needs at least two samples left after trimming, got {n}")
     lo, hi = ordered[cut], ordered[n - 1 - cut]
