@@ -60,6 +60,26 @@ def test_a_kernel_holds_between_points_only_where_measured_at_least_as_fast_at_b
     assert ranges[2]["config"] is None and ranges[2]["scheduler"] == BASELINE
 
 
+def test_a_point_goes_to_a_neighbouring_kernel_that_ties_the_fastest_there():
+    def spans(points):
+        return [(r["m_lo"], r["m_hi"], r["config_name"]) for r in build_map(points)]
+
+    # b leads a by 0.1 % at 15 only: one measurement within noise would make
+    # an island of b inside a's M; a takes 15 too.
+    assert spans([_point(14, 1.0, a=0.96), _point(15, 1.0, a=0.962, b=0.961), _point(16, 1.0, a=0.963)]) == [
+        (14, 16, "a")]
+    # The same between two stretches a holds.
+    assert spans([_point(10, 1.0, a=0.95), _point(15, 1.0, a=0.962, b=0.961), _point(20, 1.0, a=0.96)]) == [
+        (10, 20, "a")]
+    # b's lead beyond HOLD_MARGIN, or a no faster than cuBLAS there: b keeps its point.
+    for at_15 in (dict(a=0.975, b=0.96), dict(a=0.995, b=0.96)):
+        assert spans([_point(14, 1.0, a=0.96), _point(15, 1.0, **at_15), _point(16, 1.0, a=0.963)]) == [
+            (14, 14, "a"), (15, 15, "b"), (16, 16, "a")]
+    # A point that continues a neighbour's choice is no island.
+    assert spans([_point(14, 1.0, a=0.96), _point(15, 1.0, a=0.962, b=0.961), _point(16, 1.0, b=0.963)]) == [
+        (14, 14, "a"), (15, 16, "b")]
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     path = tmp_path_factory.mktemp("ladder") / "t.db"
