@@ -160,6 +160,36 @@ def _cli(*args, db):
                           capture_output=True, text=True, check=True)
 
 
+def test_remap_rebuilds_a_map_from_its_evidence_under_the_current_rule(tmp_path):
+    from tuner.lookup import family_of
+
+    path = tmp_path / "old.db"
+    store = Store(str(path))
+    family = family_of(Key("sm90", "H", Problem(16, 4096, 4096)))
+    a = GemmConfig(scheduler="single_tile", tile_m=128, tile_n=16, stages=8, swap_ab=True)
+    b = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=48, stages=8, swap_ab=True)
+    points = {14: {a: 0.96}, 15: {a: 0.962, b: 0.961}, 16: {a: 0.963}}
+
+    def point(m):
+        return {"m": m, "ms": {BASELINE: 1.0, **{c.name(): t for c, t in points[m].items()}}}
+    # The map an earlier rule built: M = 15 an island of b.
+    old = [dict(m_lo=m, m_hi=m, config_name=c.name(), scheduler=c.scheduler, config=c.to_dict(),
+                evidence=[point(m)]) for m, c in ((14, a), (15, b), (16, a))]
+    store.set_ranges(family, store.environment("gpu", "sm90", "H", {"torch": "x"}), old)
+    store.close()
+
+    out = json.loads(_cli("remap", "--json", db=path).stdout)
+    assert [(r["m_lo"], r["m_hi"], r["choice"]) for r in out[0]["after"]] == [(14, 16, a.name())]
+    assert out[0]["m_changed"] == 1 and len(out[0]["before"]) == 3
+    store = Store(str(path))
+    (kept,) = store.ranges()
+    assert (kept.m_lo, kept.m_hi, kept.config, kept.versions) == (14, 16, a.to_dict(), {"torch": "x"})
+    assert [p["m"] for p in kept.evidence] == [14, 15, 16]
+    store.close()
+    # A map that follows the rule is left as it is.
+    assert "already follows" in _cli("remap", db=path).stdout
+
+
 def test_show_family_fits_80_columns_when_piped_and_has_json(tuned, tmp_path):
     path = tuned[0]
     for args in (("show", "--family"), ("show",)):

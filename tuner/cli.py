@@ -266,6 +266,47 @@ def show(
 
 
 @app.command()
+def remap(
+    as_json: bool = typer.Option(False, "--json", help="Print each changed map's ranges, before and after."),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Build every M map again from its stored measurements.
+
+    Under this release's map rule, with nothing measured (no GPU needed):
+    `tune` keeps a current map as it is, so maps an earlier release built
+    keep its rule until they are measured again (--revalidate)."""
+    from tuner.ladder import remap as remap_maps
+
+    store = _open(db)
+    changed = remap_maps(store)
+    names = {_family_id(fm.family): fm.name for fm in _family_maps(store)}
+    store.close()
+    rows = []
+    for family, before, after in changed:
+        old = [(r.m_lo, r.m_hi, r.config_name) for r in before]
+        new = [(r["m_lo"], r["m_hi"], r["config_name"]) for r in after]
+        moved = sum(_choice_at(old, m) != _choice_at(new, m) for m in range(old[0][0], old[-1][1] + 1))
+        rows.append((names.get(_family_id(family), "-"), family, old, new, moved))
+    if as_json:
+        print(json.dumps([{"name": name, "family": family, "m_changed": moved,
+                           "before": [dict(zip(("m_lo", "m_hi", "choice"), r)) for r in old],
+                           "after": [dict(zip(("m_lo", "m_hi", "choice"), r)) for r in new]}
+                          for name, family, old, new, moved in rows], indent=1))
+        return
+    if not rows:
+        console.print("every M map already follows this release's rule")
+        return
+    table = _table(f"{len(rows)} M maps rebuilt", ["family", "ranges", "M changed"], ("family",))
+    for name, _, old, new, moved in rows:
+        table.add_row(name, f"{len(old)} -> {len(new)}", str(moved))
+    console.print(table)
+
+
+def _choice_at(spans: list[tuple[int, int, str]], m: int) -> str:
+    return next(choice for lo, hi, choice in spans if lo <= m <= hi)
+
+
+@app.command()
 def plot(
     family: str = typer.Option(..., "--family", help="Key name (glob) of the family, e.g. 'gemma3-27b.qkv'."),
     output: Path = typer.Option(..., "-o", "--output", help="PNG file to write."),

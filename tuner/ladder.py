@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from db.store import Store
-from kernels.space import GemmConfig
+from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
 from tuner.lookup import BASELINE, family_of
 from tuner.measure import Backend, slow_spell
@@ -173,6 +173,53 @@ def tune_family(
     store.set_ranges(family, env_id, ranges)
     lap("map")
     return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds)
+
+
+def remap(store: Store) -> list[tuple[dict, list, list[dict]]]:
+    """Build every family's M map again from the measurements stored with it,
+    under this release's rule (`build_map`): a map an earlier release made
+    stays current for `tune_family`, which measures nothing anew without a
+    reason. Nothing is measured here. Online points stay as they are.
+
+    Returns (family, ranges before, ranges after) for each map that changed."""
+    from db.store import FAMILY_FIELDS, LADDER
+
+    maps: dict[tuple, list] = {}
+    for r in store.ranges():
+        if r.source == LADDER:
+            maps.setdefault(tuple(str(r.family[f]) for f in FAMILY_FIELDS), []).append(r)
+    changed = []
+    for before in maps.values():
+        after = build_map(_stored_points(before))
+        if [(r["m_lo"], r["m_hi"], r["config_name"]) for r in after] != [
+                (r.m_lo, r.m_hi, r.config_name) for r in before]:
+            family, first = before[0].family, before[0]
+            env_id = store.environment(first.backend, family["arch"], family["device"], first.versions)
+            store.set_ranges(family, env_id, after)
+            changed.append((family, before, after))
+    return changed
+
+
+def _stored_points(ranges: list) -> list[tuple]:
+    """The measured points behind a stored map, as `_measure` returns them;
+    a candidate whose name no longer names a valid config is left out."""
+    configs: dict[str, GemmConfig | None] = {}
+    points: dict[int, dict[str, float]] = {}
+    for r in ranges:
+        for p in r.evidence:
+            points[p["m"]] = p["ms"]
+    for times in points.values():
+        for name in times:
+            if name != BASELINE and name not in configs:
+                try:
+                    configs[name] = GemmConfig.from_name(name)
+                except InvalidConfig:
+                    configs[name] = None
+    out = []
+    for m in sorted(points):
+        times = {n: ms for n, ms in points[m].items() if n == BASELINE or configs[n] is not None}
+        out.append((m, times, {n: configs[n] for n in times if n != BASELINE}))
+    return out
 
 
 class LeaseLost(RuntimeError):
