@@ -273,8 +273,9 @@ def remap(
     """Build every M map again from its stored measurements.
 
     Under this release's map rule, with nothing measured (no GPU needed):
-    `tune` keeps a current map as it is, so maps an earlier release built
-    keep its rule until they are measured again (--revalidate)."""
+    `tune` keeps a current map as it is, so a map an earlier release built
+    follows that release's rule until it is rebuilt here or measured again
+    (`tune --revalidate`)."""
     from tuner.ladder import remap as remap_maps
 
     store = _open(db)
