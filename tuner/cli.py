@@ -277,17 +277,16 @@ def remap(
     follows that release's rule until it is rebuilt here or measured again
     (`tune --revalidate`)."""
     from tuner.ladder import remap as remap_maps
+    from tuner.lookup import family_id
 
     store = _open(db)
     changed = remap_maps(store)
-    names = {_family_id(fm.family): fm.name for fm in _family_maps(store)}
+    names = {family_id(fm.family): fm.name for fm in _family_maps(store)}
     store.close()
     rows = []
-    for family, before, after in changed:
-        old = [(r.m_lo, r.m_hi, r.config_name) for r in before]
-        new = [(r["m_lo"], r["m_hi"], r["config_name"]) for r in after]
+    for family, old, new in changed:
         moved = sum(_choice_at(old, m) != _choice_at(new, m) for m in range(old[0][0], old[-1][1] + 1))
-        rows.append((names.get(_family_id(family), "-"), family, old, new, moved))
+        rows.append((names.get(family_id(family), "-"), family, old, new, moved))
     if as_json:
         print(json.dumps([{"name": name, "family": family, "m_changed": moved,
                            "before": [dict(zip(("m_lo", "m_hi", "choice"), r)) for r in old],
@@ -654,9 +653,11 @@ def _add_columns(table: Table, columns: list[str], left: tuple[str, ...]) -> Non
 def _print_winners(rows, title: str) -> None:
     """One table a family (name and everything of the key but M), so that a
     row holds M, the winner and its times and fits 80 columns unfolded."""
+    from tuner.lookup import family_id
+
     families: dict[tuple, list] = {}
     for w in rows:
-        families.setdefault((w.name, _family_id(w.key)), []).append(w)
+        families.setdefault((w.name, family_id(w.key)), []).append(w)
     console.print(title, highlight=False)
     for (name, _), winners in families.items():
         table = _family_table(["M", "winner", "ms", "cuBLAS", "x"], ("winner",))
@@ -695,24 +696,19 @@ class FamilyMap:
 def _family_maps(store, names: list[str] | None = None, **filters) -> list[FamilyMap]:
     """Stored M maps, one per family and device, named after their keys' name."""
     from db.store import FAMILY_FIELDS
+    from tuner.lookup import family_id
 
     named = {}
     for w in store.winners(limit=1_000_000, **filters):
-        named.setdefault(_family_id(w.key), w.name)
+        named.setdefault(family_id(w.key), w.name)
     maps: dict[tuple, list] = {}
     for r in store.ranges(**filters):
-        maps.setdefault(_family_id(r.family), []).append(r)
+        maps.setdefault(family_id(r.family), []).append(r)
     out = [FamilyMap(named.get(fid, "-"), {f: rs[0].family[f] for f in FAMILY_FIELDS}, rs)
            for fid, rs in maps.items()]
     if names is not None:
         out = [fm for fm in out if fm.name in names]
     return out
-
-
-def _family_id(fields: dict) -> tuple:
-    from db.store import FAMILY_FIELDS
-
-    return tuple(str(fields[f]) for f in FAMILY_FIELDS)
 
 
 def _print_maps(maps: list[FamilyMap], as_json: bool, title: str) -> None:

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 from db.store import Store
 from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
-from tuner.lookup import BASELINE, family_of
+from tuner.lookup import BASELINE, family_id, family_of
 from tuner.measure import Backend, slow_spell
 from tuner.search import (
     Budget, Outcome, compile_ahead, drawable, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
@@ -181,22 +181,24 @@ def remap(store: Store) -> list[tuple[dict, list, list[dict]]]:
     stays current for `tune_family`, which measures nothing anew without a
     reason. Nothing is measured here. Online points stay as they are.
 
-    Returns (family, ranges before, ranges after) for each map that changed."""
-    from db.store import FAMILY_FIELDS, LADDER
+    Returns (family, spans before, spans after) for each map that changed,
+    a span being (m_lo, m_hi, config_name)."""
+    from db.store import LADDER
 
     maps: dict[tuple, list] = {}
     for r in store.ranges():
         if r.source == LADDER:
-            maps.setdefault(tuple(str(r.family[f]) for f in FAMILY_FIELDS), []).append(r)
+            maps.setdefault(family_id(r.family), []).append(r)
     changed = []
     for before in maps.values():
         after = build_map(_stored_points(before))
-        if [(r["m_lo"], r["m_hi"], r["config_name"]) for r in after] != [
-                (r.m_lo, r.m_hi, r.config_name) for r in before]:
+        old = [(r.m_lo, r.m_hi, r.config_name) for r in before]
+        new = [(r["m_lo"], r["m_hi"], r["config_name"]) for r in after]
+        if new != old:
             family, first = before[0].family, before[0]
             env_id = store.environment(first.backend, family["arch"], family["device"], first.versions)
             store.set_ranges(family, env_id, after)
-            changed.append((family, before, after))
+            changed.append((family, old, new))
     return changed
 
 

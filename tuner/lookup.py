@@ -120,6 +120,11 @@ def family_of(key: Key) -> dict:
     return {f: fields[f] for f in FAMILY_FIELDS}
 
 
+def family_id(fields: dict) -> tuple:
+    """A hashable id of the family of `fields` (a key's or a map range's)."""
+    return tuple(str(fields[f]) for f in FAMILY_FIELDS)
+
+
 class Span(NamedTuple):
     """An M interval where the rule may choose a kernel, and the least time
     that kernel saved against cuBLAS at any point measured for it (us)."""
