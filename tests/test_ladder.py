@@ -188,6 +188,11 @@ def test_remap_rebuilds_a_map_from_its_evidence_under_the_current_rule(tmp_path)
     store.close()
     # A map that follows the rule is left as it is.
     assert "already follows" in _cli("remap", db=path).stdout
+    # A path with no database is an error, and no database appears there.
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        _cli("remap", db=tmp_path / "typo.db")
+    assert failed.value.returncode == 2 and "no database" in failed.value.stdout
+    assert not (tmp_path / "typo.db").exists()
 
 
 def test_show_family_fits_80_columns_when_piped_and_has_json(tuned, tmp_path):

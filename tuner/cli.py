@@ -279,6 +279,9 @@ def remap(
     from tuner.ladder import remap as remap_maps
     from tuner.lookup import family_id
 
+    # It rebuilds maps that exist: a mistyped path is an error, not a new
+    # empty database (the reader's open refuses one).
+    _open(db, writer=False).close()
     store = _open(db)
     changed = remap_maps(store)
     names = {family_id(fm.family): fm.name for fm in _family_maps(store)}
