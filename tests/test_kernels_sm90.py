@@ -118,6 +118,10 @@ OFFLINE = [
     _v(scheduler=STATIC, tile_n=176, stages=5, cluster_m=2, swizzle=4, consumer=PP, l2_hint="b_first"),
     _v("nn", scheduler=SK, tile_n=256, stages=4, cluster_m=2, l2_hint="b_first"),
     _v(scheduler=SINGLE, tile_m=128, tile_n=16, stages=8, swap_ab=True, l2_hint="b_first"),
+    # Stages of K 128: two swizzle rows a box row, eight WGMMAs a stage.
+    _v(scheduler=SINGLE, tile_m=128, tile_n=16, stages=5, swap_ab=True, l2_hint="b_first", tile_k=128),
+    _v("nn", scheduler=DYN, tile_m=128, tile_n=128, stages=3, cluster_m=2, tile_k=128),
+    _v(scheduler=SK, tile_m=128, tile_n=256, stages=2, tile_k=128),
 ]
 
 
@@ -171,7 +175,7 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     assert k.smem_bytes <= v.cfg.smem_bytes()
     # A hinted load names the evict-first policy (CUTLASS's EVICT_FIRST) for
     # the weight only; the others keep the default (0).
-    policies = _load_policies(k.ptx, v.cfg.tile_m * space.TILE_K * space.DTYPE_BYTES[v.dtype_in])
+    policies = _load_policies(k.ptx, v.cfg.tile_m * v.cfg.tile_k * space.DTYPE_BYTES[v.dtype_in])
     weight, other = ("a", "b") if v.cfg.swap_ab else ("b", "a")
     assert policies[other] == {0}
     assert policies[weight] == ({0x12F0000000000000} if v.cfg.l2_hint == "b_first" else {0})
@@ -428,6 +432,31 @@ STREAM_K_SHAPES = [
 def test_stream_k_correct(cfg, layout):
     _check(cfg, layout, STREAM_K_SHAPES)
     _check(cfg, layout, STREAM_K_SHAPES[1:2], dtype_out="fp32")
+
+
+# Stages of K 128 (two 128-byte swizzle rows an operand row) under every
+# scheduler, swap_ab, split-K, pingpong and 192-row tiles; the shapes' K of
+# 8, 136 and 520 end in a k-block TMA fills partly with zeros.
+TILE_K_CONFIGS = [
+    GemmConfig(scheduler=SINGLE, tile_m=128, tile_n=8, stages=6, swap_ab=True, tile_k=128),
+    GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=64, stages=6, swap_ab=True, l2_hint="b_first", tile_k=128),
+    GemmConfig(scheduler=SINGLE, tile_m=64, tile_n=16, stages=7, split_k=3, swap_ab=True, tile_k=128),
+    GemmConfig(scheduler=STATIC, tile_m=128, tile_n=256, stages=2, tile_k=128),
+    GemmConfig(scheduler=DYN, tile_m=128, tile_n=128, stages=3, cluster_m=2, sched_depth=2, tile_k=128),
+    GemmConfig(scheduler=STATIC, consumer=PP, tile_m=128, tile_n=128, stages=3, swizzle=4, tile_k=128),
+    GemmConfig(scheduler=STATIC, tile_m=192, tile_n=128, stages=2, cluster_n=2, tile_k=128),
+    GemmConfig(scheduler=SK, tile_m=128, tile_n=128, stages=3, swizzle=4, tile_k=128),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILE_K_CONFIGS, ids=lambda c: c.name())
+def test_stages_of_k_128_correct(cfg):
+    layouts = ["tn"] if cfg.swap_ab else ["tn", "nn"]
+    shapes = SPLIT_K_SHAPES if cfg.split_k > 1 else STREAM_K_SHAPES if cfg.stream_k else SHAPES
+    for layout in layouts:
+        _check(cfg, layout, shapes)
+        _check(cfg, layout, shapes[:1], dtype_out="fp32")
 
 
 @pytest.mark.gpu

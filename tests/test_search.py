@@ -9,7 +9,7 @@ from tuner.key import Key, Problem
 from tuner.model import ModelBackend
 from tuner.search import (
     LONG_KEY_MS, LONG_KEY_TRIALS, NEIGHBOUR_SHAPES, Budget, cluster_variants, hint_variant, model_picks,
-    neighbour_variants, tune_key,
+    neighbour_variants, tile_k_variants, tune_key,
 )
 
 
@@ -83,7 +83,9 @@ def test_the_best_config_is_tried_under_every_scheduler_and_neighbouring_cluster
     around = neighbour_variants(top)
     assert set(around) <= set(tried)
     assert {c.scheduler for c in around} == set(space.knobs("sm90")["scheduler"])
-    shapes = {(c.cluster_m, c.cluster_n) for c in around if c.scheduler == top.scheduler}
+    # ... and under the other stage depth in K.
+    assert tile_k_variants(top) and set(tile_k_variants(top)) <= set(around)
+    shapes = {(c.cluster_m, c.cluster_n) for c in around if c.scheduler == top.scheduler and c.tile_k == top.tile_k}
     assert shapes and all(abs(cm - top.cluster_m) + abs(cn - top.cluster_n) == 1 for cm, cn in shapes)
     # One step each: a stream-K variant drops split-K and pingpong, which it cannot have.
     sk = [c for c in around if c.stream_k]
@@ -200,7 +202,10 @@ def test_a_few_row_key_starts_from_swap_ab_seeds(tmp_path):
     seeds = swap_seeds(key)
     # One 8-row atom holds M = 4 (the H100 ran 64x8 0.2-0.5 % ahead of 64x16
     # on the 27B keys at M = 1 to 8).
-    assert [(c.tile_m, c.tile_n, c.swap_ab) for c in seeds] == [(64, 8, True), (128, 8, True)]
+    # Each under both stage depths in K: 128 streams a weight faster in
+    # DRAM, at half the stages.
+    assert all(c.swap_ab for c in seeds)
+    assert [(c.tile_m, c.tile_n, c.tile_k) for c in seeds] == [(64, 8, 64), (64, 8, 128), (128, 8, 64), (128, 8, 128)]
     tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=12))
     assert set(seeds) <= set(backend.measured[:12])
     # Up to 128 rows, the narrowest activation tile that holds them.
@@ -211,13 +216,13 @@ def test_a_few_row_key_starts_from_swap_ab_seeds(tmp_path):
     # measured too, outside the study's budget: N = 5376 is 42 tiles of 128
     # weight rows, split 2 ways (3 would fill more SMs but leaves K = 4096
     # unaligned); 84 tiles of 64 rows split none.
-    (split,) = swap_seeds(key, split=True)
-    assert (split.tile_m, split.tile_n, split.split_k, split.swap_ab) == (128, 8, 2, True)
-    assert split in backend.measured
+    splits = swap_seeds(key, split=True)
+    assert [(c.tile_m, c.tile_n, c.split_k, c.tile_k) for c in splits] == [(128, 8, 2, 64), (128, 8, 2, 128)]
+    assert all(c.swap_ab for c in splits) and set(splits) <= set(backend.measured)
     # A weight of 16 tiles (Mistral-NeMo's k and v) splits K 8 ways: 128 CTAs
     # of the H100's 132; 336 tiles (Gemma 3 27B's gate_up) split none.
     few = swap_seeds(Key("sm90", "dev", Problem(4, 1024, 5120)), split=True)
-    assert [(c.tile_m, c.split_k) for c in few] == [(64, 8), (128, 8)]
+    assert [(c.tile_m, c.split_k, c.tile_k) for c in few] == [(64, 8, 64), (64, 8, 128), (128, 8, 64), (128, 8, 128)]
     assert swap_seeds(Key("sm90", "dev", Problem(4, 43008, 5376)), split=True) == []
 
 

@@ -1,4 +1,5 @@
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -13,8 +14,15 @@ def test_defaults_are_valid_for_every_scheduler():
 
 
 def test_sm90_pool_size_and_scheduler_split():
-    configs = list(space.enumerate_configs("sm90"))
-    assert len(configs) == len(set(configs))
+    pool = list(space.enumerate_configs("sm90"))
+    assert len(pool) == len(set(pool))
+    # A stage of K 128 is a stage of K 64 twice over: every such config's
+    # twin of K 64 exists; the rules below hold for the pool of K 64.
+    configs = [c for c in pool if c.tile_k == 64]
+    deep = set(pool) - set(configs)
+    assert {c.tile_k for c in deep} == {128} and len(deep) == 113760
+    assert {replace(c, tile_k=64) for c in deep} <= set(configs)
+    assert {c.scheduler for c in deep} == set(space.SCHEDULERS[:4])
     by_sched = {s: sum(c.scheduler == s for c in configs) for s in space.SCHEDULERS}
     assert by_sched["clc"] == 0
     # Two claim depths for the atomic scheduler; single_tile has no swizzle.
@@ -235,6 +243,35 @@ def test_round_trip_and_unknown_fields():
     assert GemmConfig.from_name(hinted.name()) == hinted
     with pytest.raises(InvalidConfig, match="unknown config fields"):
         GemmConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_a_stage_of_k_128_is_named_sized_and_checked():
+    deep = GemmConfig(scheduler="single_tile", tile_m=128, tile_n=16, stages=5, swap_ab=True, tile_k=128)
+    assert deep.name() == "sm90-single_tile-t128x16x128-c1x1-s5-w1m-ab"
+    assert GemmConfig.from_name(deep.name()) == deep and GemmConfig.from_dict(deep.to_dict()) == deep
+    # Stored before the knob: K 64, and names without a third tile size.
+    assert GemmConfig.from_dict({k: v for k, v in deep.to_dict().items() if k != "tile_k"}).tile_k == 64
+    assert GemmConfig.from_name("sm90-single_tile-t128x16-c1x1-s5-w1m-ab") == replace(deep, tile_k=64)
+    with pytest.raises(InvalidConfig, match="did you mean"):
+        GemmConfig.from_name("sm90-single_tile-t128x16x64-c1x1-s5-w1m-ab")
+    for bad in ("sm90-single_tile-t128x16x128x2-c1x1-s5-w1m-ab", "sm90-single_tile-t128x16x96-c1x1-s5-w1m-ab"):
+        with pytest.raises(InvalidConfig):
+            GemmConfig.from_name(bad)
+    # Twice the ring bytes a stage: 6 stages of 128x16 by 64 fit, not of 128.
+    assert deep.smem_bytes() - replace(deep, tile_k=64).smem_bytes() == 5 * 144 * 64 * 2
+    with pytest.raises(InvalidConfig, match="shared memory"):
+        replace(deep, stages=6)
+    replace(deep, stages=6, tile_k=64)
+    # sm100 keeps stages of 64; grouped kernels walk K in 64s; a K slice holds a stage.
+    with pytest.raises(InvalidConfig, match="tile_k=128"):
+        GemmConfig(arch="sm100", tile_k=128)
+    with pytest.raises(InvalidConfig, match="grouped GEMM walks K in stages of 64"):
+        space.check_problem(GemmConfig(stages=3, tile_k=128), 512, 4096, 4096, groups=8)
+    split = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=64, stages=4, split_k=4, tile_k=128)
+    space.check_problem(split, 16, 4096, 512)
+    with pytest.raises(InvalidConfig, match="under one k-block"):
+        space.check_problem(split, 16, 4096, 384)
+    space.check_problem(replace(split, tile_k=64), 16, 4096, 384)
 
 
 def test_eighth_widths_store_16_bit_outputs_only():

@@ -77,7 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels.space import (
-    DTYPE_BYTES, TILE_K, GemmConfig, InvalidConfig, check_problem, epi_subtile_n, smem_bytes,
+    DTYPE_BYTES, GemmConfig, InvalidConfig, check_problem, epi_subtile_n, smem_bytes,
 )
 from tuner.key import Key, Problem
 from tuner.measure import Measurement
@@ -137,6 +137,14 @@ class DeviceModel:
     # producer has prefetched the next tile, but the register/TMEM -> smem
     # copy is not hidden.
     epilogue_exposed: float = 0.5
+    # DRAM bandwidth a load of 256-byte runs per operand row (tile_k 128 of
+    # 16-bit elements) gets over one of 128-byte runs (tile_k 64), which
+    # `hbm_efficiency` describes. H100: the same swap_ab tiles at the same
+    # shared memory ran 1.030 -> 1.057x cuBLAS on 27B gate_up at M = 8 and
+    # 1.040 -> 1.060x on Qwen2.5's lm_head (`bench.sm90_variants`-style
+    # probe); a read-only kernel streamed the gate_up weight at 2.49 TB/s in
+    # 128-byte runs and 2.78 in 256-byte ones.
+    long_run_gain: float = 1.0
     # Stream-K fixup of a shared tile, per contributing CTA: the fence that
     # makes its partial visible, the acq_rel atomic on the tile's semaphore
     # and the consumers' barrier around it. An unfitted guess: no stream-K
@@ -168,7 +176,7 @@ H100 = DeviceModel(
     name="H100-model", arch="sm90", sms=132, flops_per_clk_sm=4096, clock_hz=1.83e9,
     hbm_bw=3.35e12, l2_bytes=50 * 2**20, l2_bw=12e12, smem_per_sm=228 * 1024,
     mma_efficiency=0.86, hbm_efficiency=0.90, kblock_overhead_clk=80,
-    wgmma_issue_clk=16.0, wgmma_n16_clk=16.0, max_clusters=((1, 132), (2, 66), (4, 30)),
+    wgmma_issue_clk=16.0, wgmma_n16_clk=16.0, long_run_gain=1.025, max_clusters=((1, 132), (2, 66), (4, 30)),
 )
 
 # B200 (HGX B200): 148 SMs, 2.25 PFLOP/s dense FP16/BF16, 8 TB/s HBM3e
@@ -456,7 +464,7 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
     us_c, detail = _schedule(plan, p, cfg, device)
     waiting = replace(plan, segments=tuple(replace(s, mainloop=s.waits) for s in plan.segments))
     us_w, _ = _schedule(waiting, p, cfg, device)
-    hbm_us = sum(s.tiles * s.hbm_bytes for s in plan.segments) / (device.hbm_bw * device.hbm_efficiency) * 1e6
+    hbm_us = sum(s.tiles * s.hbm_bytes for s in plan.segments) / _hbm_rate(device, cfg, p) * 1e6
     us_m = us_w + hbm_us
     us = max(us_c, us_m)
     if us_m > us_c:
@@ -494,7 +502,7 @@ def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Pla
         # The grid fills the device even with fewer tiles than clusters, as
         # long as every cluster keeps SK_MIN_K_TILES k-blocks
         # (`SchedulerSpec.grid_shape`); all of its clusters load at once.
-        workers = min(workers, max(tiles, tiles * _cdiv(p.k, TILE_K) // SK_MIN_K_TILES))
+        workers = min(workers, max(tiles, tiles * _cdiv(p.k, cfg.tile_k) // SK_MIN_K_TILES))
         free_workers = min(free_workers, workers)
     concurrent = min(free_workers, tiles)
     active_sms = max(1, free_workers if cfg.stream_k else concurrent) * cs
@@ -529,30 +537,31 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     cm, cn = cfg.cluster_tile
     cs = cfg.cluster_size
     k_tile = k // cfg.split_k
-    kblocks = _cdiv(k_tile, TILE_K)
+    tk = cfg.tile_k
+    kblocks = _cdiv(k_tile, tk)
 
     # MMA issue per SM: the hardware computes the whole tile, edge or not.
-    mma_clk = 2.0 * cfg.cta_tile_m * cfg.tile_n * TILE_K / dev.flops_per_clk_sm
+    mma_clk = 2.0 * cfg.cta_tile_m * cfg.tile_n * tk / dev.flops_per_clk_sm
     if cfg.arch == "sm90":
         # Every warpgroup of the tile reads the whole B slice from smem.
-        smem = (cfg.cta_tile_m + cfg.tile_n * cfg.tile_warpgroups) * TILE_K * e
+        smem = (cfg.cta_tile_m + cfg.tile_n * cfg.tile_warpgroups) * tk * e
     else:
-        smem = (cfg.cta_tile_m + cfg.tile_n // cfg.cta_group) * TILE_K * e
+        smem = (cfg.cta_tile_m + cfg.tile_n // cfg.cta_group) * tk * e
     core_clk = max(mma_clk, smem / dev.smem_read_bytes_per_clk) + dev.kblock_overhead_clk
     if cfg.arch == "sm90":
         # One wgmma.m64nNk16 per 64 rows per 16 of depth, each with a fixed
         # issue cost on top of its MMA clocks.
         per_wgmma = dev.wgmma_issue_clk + dev.wgmma_n16_clk * (2 if cfg.tile_n % 16 else 1 if cfg.tile_n % 32 else 0)
-        core_clk += cfg.cta_tile_m // 64 * (TILE_K // 16) * per_wgmma
+        core_clk += cfg.cta_tile_m // 64 * (tk // 16) * per_wgmma
     t_core = core_clk / dev.clock_hz / dev.mma_efficiency * 1e6
 
     # Operand traffic: one copy per cluster tile thanks to multicast; only the
     # rows and columns that exist are read.
     rows, cols = min(cm, m), min(cn, p.n)
-    l2_per_sm = (rows + cols) * TILE_K * e / cs
+    l2_per_sm = (rows + cols) * tk * e / cs
     sm_bw = dev.sm_load_bytes_per_clk * dev.clock_hz
     t_l2 = l2_per_sm / _sm_l2_bw(dev, active_sms) * 1e6
-    hbm_share = dev.hbm_bw * dev.hbm_efficiency / active_sms
+    hbm_share = _hbm_rate(dev, cfg, p) / active_sms
     ratio = _hbm_ratio(p, cfg, dev, m, k, concurrent)
     # The compute path of a tile: MMA issue or the SM's share of L2.
     terms = {"compute": t_core, "l2": t_l2}
@@ -567,7 +576,7 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     # loading / bandwidth, a sum, not a maximum: on the H100's decode keys
     # the stages in flight change the time even where DRAM is the limit.
     waits = kblocks * dev.load_latency_us / (cfg.stages - 1)
-    hbm_bytes = kblocks * (rows + cols) * TILE_K * e * ratio
+    hbm_bytes = kblocks * (rows + cols) * tk * e * ratio
     # A share of the shorter of a tile's compute and load time (its DRAM
     # bytes at its share of the bandwidth) is not hidden behind the longer.
     loads = waits + hbm_bytes / (cs * hbm_share) * 1e6
@@ -585,6 +594,12 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     # the MMA consumes it: a depth-1 claim made then is answered meanwhile.
     lead = min(kblocks, cfg.stages - 1) * max(terms[bound], dev.load_latency_us / (cfg.stages - 1))
     return _Segment(count, mainloop, epilogue, lead, bound, waits, hbm_bytes + c_bytes)
+
+
+def _hbm_rate(dev: DeviceModel, cfg: GemmConfig, p: Problem) -> float:
+    """The DRAM bandwidth `cfg`'s loads get (bytes/s): runs of 256 bytes a row or more stream faster."""
+    long_runs = cfg.tile_k * DTYPE_BYTES[p.dtype_in] >= 256
+    return dev.hbm_bw * dev.hbm_efficiency * (dev.long_run_gain if long_runs else 1.0)
 
 
 def _sm_l2_bw(dev: DeviceModel, active_sms: int) -> float:
@@ -736,7 +751,7 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
     the same k-blocks at about the same time, so their operands' L2 reuse is
     that of a data-parallel wave (`_segment`'s).
     """
-    kblocks = _cdiv(p.k, TILE_K)
+    kblocks = _cdiv(p.k, cfg.tile_k)
     sk, slices = _stream_k_plan(plan.tiles, kblocks, plan.workers)
     (s,) = plan.segments  # stream-K is never grouped
     lat = dev.atomic_claim_us

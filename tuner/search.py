@@ -300,15 +300,16 @@ def compile_ahead(backend: Backend, cfgs: list[GemmConfig]) -> None:
 
 def neighbour_variants(cfg: GemmConfig) -> list[GemmConfig]:
     """The configs one step from `cfg` that the model ranks least reliably:
-    `cfg` under every other scheduler, and under each cluster shape one
-    doubling or halving away along M or N. Multicast along the cluster
+    `cfg` under every other scheduler, under each cluster shape one
+    doubling or halving away along M or N, and under the other stage depth
+    in K (`tile_k_variants`). Multicast along the cluster
     changes how much L2 traffic each SM carries, a margin the model prices
     within a few per cent of the MMA time; measured on an H100 at 27B's
     M = 512 keys, 128x176 with a 2x1 cluster reached 0.958x cuBLAS where the
     search's 1x1 winner stood at 0.909x."""
     knobs = space.knobs(cfg.arch)
     out = [v for sched in knobs["scheduler"] if sched != cfg.scheduler and (v := scheduler_variant(cfg, sched))]
-    return out + cluster_variants(cfg)
+    return out + cluster_variants(cfg) + tile_k_variants(cfg)
 
 
 def cluster_variants(cfg: GemmConfig) -> list[GemmConfig]:
@@ -343,6 +344,15 @@ def hint_variant(cfg: GemmConfig) -> GemmConfig | None:
     other = [h for h in space.L2_HINTS if h != cfg.l2_hint]
     fields = cfg.to_dict() | {"l2_hint": other[0]}
     return GemmConfig(**fields) if len(other) == 1 and space.is_valid(fields) else None
+
+
+def tile_k_variants(cfg: GemmConfig) -> list[GemmConfig]:
+    """`cfg` under each other stage depth in K (`GemmConfig.tile_k`), with
+    as many stages as fit: about the same shared memory in runs a row twice
+    or half as long, which moves a DRAM-bound kernel by a few per cent, as
+    much as one-by-one trials drift."""
+    return [v for tk in space.knobs(cfg.arch)["tile_k"] if tk != cfg.tile_k
+            and (v := _deepest(cfg.to_dict() | {"tile_k": tk})) is not None]
 
 
 def scheduler_variant(cfg: GemmConfig, sched: str) -> GemmConfig | None:
@@ -506,7 +516,8 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
 def swap_seeds(key: Key, split: bool = False) -> list[GemmConfig]:
     """For a key of at most SWAP_SEED_MAX_M rows: single-tile swap_ab configs
     of 64 and 128 weight rows by the narrowest swap_ab activation tile that
-    holds M, at their deepest pipeline. The model prices them above split-K
+    holds M, at their deepest pipeline, under every stage depth in K
+    (`GemmConfig.tile_k`). The model prices them above split-K
     there, which the H100 reversed (27B qkv at M = 1, one tuning run: 64x16 swap_ab
     0.0325 ms, cuBLAS 0.0317, the model's split-K picks 0.040-0.044), so
     they are measured whatever the model says.
@@ -536,9 +547,11 @@ def swap_seeds(key: Key, split: bool = False) -> list[GemmConfig]:
             splits = sorted((s for s in space.knobs(key.arch)["split_k"] if 1 < s <= fit), reverse=True)
         else:
             continue
-        fields = dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=min(widths), swap_ab=True)
-        runnable = [c for c in (_deepest(fields | {"split_k": s}) for s in splits) if c is not None and p.runs(c)]
-        out += runnable[:1]
+        for tile_k in space.knobs(key.arch)["tile_k"]:
+            fields = dict(arch=key.arch, scheduler="single_tile", tile_m=tile_m, tile_n=min(widths), swap_ab=True,
+                          tile_k=tile_k)
+            runnable = [c for c in (_deepest(fields | {"split_k": s}) for s in splits) if c is not None and p.runs(c)]
+            out += runnable[:1]
     return out
 
 

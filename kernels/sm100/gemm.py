@@ -132,8 +132,8 @@ class Sm100GemmKernel:
             self.cta_group, self.mma_tiler_mn,
         )
         mma_k = cute.size(tiled_mma.shape_mnk, mode=[2])
-        # Four MMA instructions per k-block: 64 16-bit elements, one 128-byte swizzle row.
-        self.mma_tiler = (*self.mma_tiler_mn, mma_k * (space.TILE_K // mma_k))
+        # Four MMA instructions per k-block of 64 16-bit elements, one 128-byte swizzle row.
+        self.mma_tiler = (*self.mma_tiler_mn, mma_k * (self.cfg.tile_k // mma_k))
         self.cta_tile_shape_mnk = (
             self.mma_tiler[0] // cute.size(tiled_mma.thr_id.shape),
             self.mma_tiler[1],

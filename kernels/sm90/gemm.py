@@ -47,7 +47,6 @@ from cutlass.tensor_utils import LayoutEnum
 from kernels.partials import PartialScratch, SliceSlots, UnitSlots
 from kernels.schedulers import ClaimRing, SchedulerSpec, TileGrid, TileScheduler
 from kernels.space import (
-    TILE_K,
     GemmConfig,
     InvalidConfig,
     epi_buffers,
@@ -165,7 +164,7 @@ class Sm90GemmKernel:
             (self.tile_groups, 1, 1),
             tiler_mn=(64, self.tile_mn[1]),
         )
-        self.tile_mnk = (*self.tile_mn, TILE_K)
+        self.tile_mnk = (*self.tile_mn, self.cfg.tile_k)
         self.a_mcast = self.cluster_mn[1]
         self.b_mcast = self.cluster_mn[0]
         self.epi_stages = epi_buffers(self.c_dtype.width)
@@ -240,7 +239,7 @@ class Sm90GemmKernel:
         a3, b3, c3 = self._views(a, b, c)
         tma_a, ta, tma_b, tb, tma_c, tc = self._tma_atoms(a3, b3, c3)
         grid = TileGrid.of(self._work_shape(c3), self.tile_mn, self.cluster_mn)
-        k_tiles = (a3.shape[1] + TILE_K - 1) // TILE_K
+        k_tiles = (a3.shape[1] + self.cfg.tile_k - 1) // self.cfg.tile_k
 
         @cute.struct
         class SharedStorage:

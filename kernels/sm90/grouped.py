@@ -61,6 +61,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             raise InvalidConfig("grouped kernels do not split K")
         if cfg.pingpong:
             raise InvalidConfig("grouped kernels have cooperative consumers only")
+        if cfg.tile_k != TILE_K:
+            raise InvalidConfig(f"grouped kernels walk K in stages of {TILE_K}")
 
     # ------------------------------------------------------------------ host side
 
