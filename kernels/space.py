@@ -119,9 +119,10 @@ _KNOBS = {
         "swap_ab": (False, True),
         # K of a stage: one 128-byte swizzle row of each operand row, or two.
         # A weight streamed from DRAM in 256-byte runs a row, not 128, ran
-        # 2-3 % faster at few rows (H100, 27B gate_up at M = 8 to 64 and
-        # Qwen2.5's lm_head at 8 to 128: the same tiles at 1.03-1.04x cuBLAS
-        # with 64, 1.04-1.06x with 128, at the same shared memory).
+        # faster at few rows (H100, the same swap_ab tiles at the same shared
+        # memory: 27B gate_up at M = 8 to 64 0.995-1.030x cuBLAS with 64,
+        # 1.039-1.057x with 128; Qwen2.5's lm_head at 8 to 128 1.012-1.040x
+        # and 1.047-1.060x).
         "tile_k": (64, 128),
     },
     "sm100": {

@@ -141,9 +141,9 @@ class DeviceModel:
     # 16-bit elements) gets over one of 128-byte runs (tile_k 64), which
     # `hbm_efficiency` describes. H100: the same swap_ab tiles at the same
     # shared memory ran 1.030 -> 1.057x cuBLAS on 27B gate_up at M = 8 and
-    # 1.040 -> 1.060x on Qwen2.5's lm_head (`bench.sm90_variants`-style
-    # probe); a read-only kernel streamed the gate_up weight at 2.49 TB/s in
-    # 128-byte runs and 2.78 in 256-byte ones.
+    # 1.040 -> 1.060x on Qwen2.5's lm_head (bench/results/logs/
+    # ...-tile-k-probe-*.json); a read-only kernel streamed the gate_up
+    # weight at 2.49 TB/s in 128-byte runs and 2.78 in 256-byte ones.
     long_run_gain: float = 1.0
     # Stream-K fixup of a shared tile, per contributing CTA: the fence that
     # makes its partial visible, the acq_rel atomic on the tile's semaphore
