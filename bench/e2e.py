@@ -286,7 +286,8 @@ def _swap(models: dict) -> None:
 def _patch_like(model: torch.nn.Module, checked: torch.nn.Module, *, graphs: bool, compiled: bool) -> None:
     """Patch `model` (`patch(graphs=, compiled=)`) and give its layers the
     intervals `checked`'s twins were left with (by `patch` and `check`): the
-    eager ones, and the compiled ones where `compiled`."""
+    eager ones, and the compiled ones where `compiled`; a layer left with
+    none is an `nn.Linear`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch's warnings are in the record
         patch(model, graphs=graphs, compiled=compiled)
@@ -294,7 +295,7 @@ def _patch_like(model: torch.nn.Module, checked: torch.nn.Module, *, graphs: boo
         if not isinstance(layer, torch.nn.Linear):
             continue
         twin = model.get_submodule(name)
-        if type(twin) is TunedLinear and type(layer) is TunedLinear:
+        if type(twin) is TunedLinear and hasattr(layer, "tuner_spans") and (layer.tuner_spans or compiled):
             twin.tuner_spans = layer.tuner_spans
             twin.tuner_compiled_spans = layer.tuner_compiled_spans if compiled else ()
             twin.tuner_gather = layer.tuner_gather

@@ -7,7 +7,7 @@ linear layers are given, step by step, the class of each variant.
 Each model is built from its shipped config (two decoder layers, random bf16
 weights). Every linear layer is prepared as `patch` leaves a layer whose
 eager interval lies far from the decode M (M = 4096 only), so a patched call
-runs cuBLAS after the interval test. Then, before each decode step, every
+runs `F.linear` after the interval test. Then, before each decode step, every
 linear layer takes the class of one variant (an assignment per layer, made
 for every variant alike) and the step is timed on the host clock after a
 sync, the variants in a rotating order that also runs reversed:
@@ -15,7 +15,7 @@ sync, the variants in a rotating order that also runs reversed:
 - `nn.Linear`: the unpatched layer, the baseline (five Python frames a call);
 - `subclass`: an `nn.Linear` subclass with no code of its own;
 - `patched`: `TunedLinear` as shipped: its own `__call__` makes the bounds
-  test and multiplies by the weight's kept transposed view (one frame);
+  test and calls `F.linear` (one frame);
 - `via_module`: `nn.Module.__call__`, then `TunedLinear.forward` (the
   bounds test, then `F.linear`): the patched call before it had its own.
 

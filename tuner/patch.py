@@ -18,27 +18,23 @@ which `patch` measures once per process and device on the layers' own kernel
 calls (the kept launch) and one for compiled graphs (the registered op,
 against the `mm` a compiled graph calls otherwise). A forward replayed from
 a CUDA graph runs no host code at all: `patch(model, graphs=True)` keeps
-every kernel interval for models run that way. Each such layer becomes a
-`TunedLinear` (its class is swapped: parameters, hooks, state dict and
-`isinstance(m, nn.Linear)` stay as they were), one with no interval left
-too: its calls run cuBLAS, for less host time than `nn.Linear`'s (below).
-`unpatch` swaps the class back. Other modules,
+every kernel interval for models run that way. A layer with an interval
+left becomes a `TunedLinear` (its class is swapped: parameters, hooks, state
+dict and `isinstance(m, nn.Linear)` stay as they were); one without any
+stays an `nn.Linear`, since `gemm` would run cuBLAS for it at every M: that
+costs nothing per call. `unpatch` swaps the class back. Other modules,
 and subclasses of `nn.Linear` that bring their own forward, are left alone.
 So are layers with a bias unless `patch(model, bias=True)`: `F.linear` adds
 the bias in cuBLAS's epilogue, while the pool's kernels would need a second
 kernel for it, and the maps measured the product alone.
 
 A `TunedLinear` call whose M (rows of the flattened input) lies outside its
-intervals (the eager or the compiled set) runs cuBLAS's product, as the
+intervals (the eager or the compiled set) runs `F.linear` directly, as the
 unpatched layer does, after one comparison of the input's size (or, inside
 the bounds, a lookup of it). A call with no hooks to run (the layer's or
 global), outside the JIT tracer, skips `nn.Module.__call__`: the layer's own
-`__call__` makes that comparison and runs the product from one Python frame,
-where `nn.Linear`'s call runs five; without autograd and a bias, as
-`torch.matmul` by a transposed view of the weight that the layer keeps
-(`F.linear` is that matmul, by a view it makes each call). In eager decode
-steps whose linear calls all ran cuBLAS so, Llama 3.1 8B and Gemma 3 27B
-read 0.9-2.4 % faster than with `nn.Linear` (`bench.linear_calls`). Inside its
+`__call__` makes that comparison and calls `F.linear` from one Python frame,
+where `nn.Linear`'s call runs five (`bench.linear_calls`). Inside its
 intervals a call goes to `gemm` (which still falls back to cuBLAS where it
 must) and the bias is added after. Once `gemm` has chosen a kernel for an
 M, the layer keeps its runner and calls it directly, skipping every check
@@ -93,7 +89,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _compiling = torch.compiler.is_compiling
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _jit_tracing = torch._C._get_tracing_state
-_grad_enabled = torch.is_grad_enabled
 _ALIGN = 16  # bytes: what the pool's TMA loads need of a pointer
 # Host cost measurement: calls per timed batch, batches (the fastest counts).
 _COST_CALLS, _COST_BATCHES = 20, 15
@@ -153,12 +148,6 @@ class TunedLinear(nn.Linear):
     # M intervals (within the others) where a strided input is gathered for
     # the kernel: the kernel saves more there than the host cost and the copy.
     tuner_gather: tuple[tuple[int, int], ...] = ()
-    # (weight, its data pointer, shape and dtype, its transposed view): the
-    # view a cuBLAS call outside the intervals multiplies by, made once and
-    # made again when the weight changes (a new parameter, or new data set
-    # by `.to()`), where F.linear makes one each call: an eager decode step
-    # whose linear calls ran so read 0.9-2.4 % faster (bench.linear_calls).
-    _tuner_wt: tuple = (None, 0, None, None, None)
 
     @property
     def tuner_spans(self) -> tuple[tuple[int, int], ...]:
@@ -192,9 +181,7 @@ class TunedLinear(nn.Linear):
         # The kept runners hold compiled code, which can be neither copied nor
         # pickled: a copy (copy.deepcopy, torch.save of the module) starts
         # without them and keeps its own as it is called.
-        state = {**super().__getstate__(), "tuner_launchers": {}}
-        state.pop("_tuner_wt", None)  # a view of this weight, not of the copy's
-        return state
+        return {**super().__getstate__(), "tuner_launchers": {}}
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         # nn.Linear's call runs five Python frames (nn.Module's call, its
@@ -210,13 +197,7 @@ class TunedLinear(nn.Linear):
         # else takes nn.Module's own call. TorchDynamo traces this as it reads
         # (the JIT tracer's state is a constant to it) but must not read the
         # eager sizes, which eager calls change under a compiled graph's
-        # guards; FX proxies and fake tensors fail the type test. Outside
-        # the intervals, an eager call without autograd (no_grad, inference
-        # mode) multiplies by the weight's kept transposed view (`_tuner_wt`):
-        # F.linear without a bias is that same matmul, by a view it makes
-        # each call. Calls that autograd records (whose weight may be another
-        # transform's wrapper) and traced calls, whose graph must hold the
-        # parameter itself, keep F.linear.
+        # guards; FX proxies and fake tensors fail the type test.
         if type(input) is torch.Tensor and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _global_forward_pre_hooks or _global_forward_hooks
@@ -227,13 +208,7 @@ class TunedLinear(nn.Linear):
             if lo <= n <= hi and (_dynamo_compiling() or self._tuner_eager.get(n) is not False):
                 return self.forward(input)
             p = self._parameters
-            w, b = p["weight"], p["bias"]
-            if b is None and not (_grad_enabled() or _dynamo_compiling()):
-                kept = self._tuner_wt
-                if kept[0] is not w or kept[1] != w.data_ptr() or kept[2] != w.shape or kept[3] != w.dtype:
-                    kept = self._tuner_wt = (w, w.data_ptr(), w.shape, w.dtype, w.detach().t())
-                return torch.matmul(input, kept[4])
-            return F.linear(input, w, b)
+            return F.linear(input, p["weight"], p["bias"])
         return nn.Module.__call__(self, input)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -305,9 +280,10 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     `torch.compile(mode="reduce-overhead")`): a replay runs no host code, so
     every kernel interval of the maps is kept, eager and compiled, and
     `check` judges them by their calls' device time alone. `compiled=False`:
-    the model runs eager only, so no interval is kept for compiled graphs.
-    Every qualifying layer becomes a `TunedLinear`, one without an interval
-    too (module doc: its call costs the host less). Patching a patched
+    the model runs eager only, so no interval is kept for compiled graphs
+    and a layer without an eager one stays an `nn.Linear` (eager decode
+    steps whose patched layers all ran `F.linear` measured up to 0.4 %
+    slower than unpatched ones: README, "End to end"). Patching a patched
     model reads the database again. Warns (`PatchWarning`) when no layer
     qualifies, and names the shapes nothing is tuned for."""
     layers, biased = [], False
@@ -334,10 +310,13 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
         if key not in found:
             found[key] = dispatch.kernel_spans(*key)
         spans_of[layer] = found[key][0]
-        layer.__class__ = TunedLinear
-        layer.tuner_launchers = {}
-        layer.tuner_graphs = graphs
-        layer.tuner_spans = layer.tuner_compiled_spans = ()
+        if spans_of[layer]:
+            layer.__class__ = TunedLinear
+            layer.tuner_launchers = {}
+            layer.tuner_graphs = graphs
+            layer.tuner_spans = layer.tuner_compiled_spans = ()
+        else:
+            _restore(layer)
     for device in {layer.weight.device.index for layer in layers if spans_of[layer]}:
         on_device = [layer for layer in layers if spans_of[layer] and layer.weight.device.index == device]
         eager, compiled_cost = (0.0, 0.0) if graphs else _costs(device, on_device, spans_of)
@@ -348,6 +327,8 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
             gather = max(eager, compiled_cost if compiled else 0.0) + _gather_cost(device, layer.weight.dtype,
                                                                                    spans_of[layer])
             layer.tuner_gather = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= gather)
+            if not layer.tuner_spans and not layer.tuner_compiled_spans:
+                _restore(layer)
     untuned = {}
     for (_, dtype, n, k), (_, why) in found.items():
         if why is not None:
@@ -469,6 +450,8 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     for layer in layers:
         layer.tuner_spans = _trim(spans[layer], _verdicts(kept, layer))
         layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, calls_won[layer])
+        if not layer.tuner_spans and not layer.tuner_compiled_spans:
+            _restore(layer)
     return found
 
 
@@ -691,7 +674,7 @@ def _restore(layer: nn.Module) -> None:
     if type(layer) is TunedLinear:
         layer.__class__ = nn.Linear
         for name in ("_tuner_spans", "_tuner_compiled_spans", "_tuner_bounds", "_tuner_eager", "tuner_launchers",
-                     "tuner_graphs", "tuner_gather", "_tuner_wt"):
+                     "tuner_graphs", "tuner_gather"):
             layer.__dict__.pop(name, None)
 
 
