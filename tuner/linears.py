@@ -150,8 +150,40 @@ def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
     ms = ",".join(map(str, m_values))
     lines = [f"# {name}: the {len(shapes)} distinct linear-layer shapes (N K) of the model as built "
              f"from {Path(path).name if path else source}"]
-    lines += [f"{ms} {s.n} {s.k} dtype={dtype} name={name}.{'+'.join(s.names)}" for s in shapes]
+    for s in shapes:
+        line = f"{ms} {s.n} {s.k} dtype={dtype} name={name}.{'+'.join(s.names)}"
+        why = _outside_the_pool(s, dtype)
+        # A shape no kernel can take (a gate of one output) stays in the file
+        # as a comment, so that the file still tunes and says what runs cuBLAS.
+        lines.append(line if why is None else f"# {line}: runs cuBLAS, {why}")
+    experts = _expert_weights(model)
+    if experts:
+        lines.append("# not listed: 3-D weights (MoE experts), not nn.Linear layers, so tuner.patch "
+                     "leaves them to the model's own code:")
+        lines += [f"#   {e}" for e in experts]
     return "\n".join(lines) + "\n"
+
+
+def _outside_the_pool(shape: LinearShape, dtype: str) -> str | None:
+    """Why no kernel of the pool takes this weight's products (None if one may)."""
+    from kernels.space import InvalidConfig
+    from tuner.key import Problem
+
+    try:
+        Problem(1, shape.n, shape.k, 1, dtype, dtype, "tn")
+    except InvalidConfig as exc:
+        return str(exc)
+    return None
+
+
+def _expert_weights(model) -> list[str]:
+    """`Module.param ExNxK` of every distinct 3-D floating weight of `model`."""
+    found: dict[str, None] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() == 3 and p.is_floating_point():
+                found[f"{type(module).__name__}.{name} {'x'.join(map(str, p.shape))}"] = None
+    return list(found)
 
 
 def _import_module(source: str):
