@@ -87,6 +87,24 @@ def test_multimodal_config_reads_text_config_and_defaults():
         DecoderShape.from_config({"hidden_size": 1, "num_attention_heads": 1})
 
 
+@pytest.mark.parametrize("fields, words", [
+    ({"model_type": "mixtral", "num_local_experts": 8}, "num_local_experts=8: the config describes a mixture"),
+    ({"text_config": {"num_experts": 60}}, "num_experts=60: the config describes a mixture of experts"),
+    ({"kv_lora_rank": 512}, "kv_lora_rank=512: the config describes multi-head latent attention"),
+    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' has an MLP without a gate"),
+])
+def test_a_config_whose_layer_is_not_dense_and_gated_is_refused_naming_the_field(fields, words):
+    dense = {"hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 11008}
+    config = {**dense, **fields}
+    if "text_config" in fields:
+        config = {"text_config": {**dense, **fields["text_config"]}}
+    with pytest.raises(ValueError, match=words) as info:
+        DecoderShape.from_config(config)
+    assert "--from-model" in str(info.value)
+    # A dense model's config that states no experts is taken.
+    assert DecoderShape.from_config({**dense, "num_experts": 0, "model_type": "llama"}).intermediate_size == 11008
+
+
 def test_cli_writes_a_shape_file_from_a_config_that_parses_back(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({

@@ -186,6 +186,7 @@ class DecoderShape:
     def from_config(cls, config: dict) -> "DecoderShape":
         # Multimodal checkpoints (Gemma 3 4B and up) keep the LM under text_config.
         text = config.get("text_config") or config
+        _check_dense_gated(config, text)
         try:
             hidden = int(text["hidden_size"])
             heads = int(text["num_attention_heads"])
@@ -206,6 +207,27 @@ class DecoderShape:
             "gate_up": (2 * self.intermediate_size, self.hidden_size),
             "down": (self.hidden_size, self.intermediate_size),
         }
+
+
+# Decoder layers that are not the dense, gated form DecoderShape derives:
+# listing the GEMMs of that form for them would tune keys the model never
+# runs, so they are refused, pointing at `--from-model` (the layers as built).
+_NOT_DENSE = {"num_local_experts": "a mixture of experts", "num_experts": "a mixture of experts",
+              "n_routed_experts": "a mixture of experts", "kv_lora_rank": "multi-head latent attention"}
+_UNGATED_MLP = frozenset({"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "starcoder2", "falcon", "phi",
+                          "opt", "bloom", "mpt", "nemotron", "arcee"})
+
+
+def _check_dense_gated(*configs: dict) -> None:
+    for c in configs:
+        for field, what in _NOT_DENSE.items():
+            value = c.get(field)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                raise ValueError(f"{field}={value}: the config describes {what}, where --from-config derives "
+                                 "a dense decoder's GEMMs; list the model's own with --from-model")
+        if c.get("model_type") in _UNGATED_MLP:
+            raise ValueError(f"model_type {c['model_type']!r} has an MLP without a gate, where --from-config "
+                             "derives a gated one (gate+up); list the model's own GEMMs with --from-model")
 
 
 def shape_lines(model: str, shape: DecoderShape, m_values: list[int]) -> list[str]:
