@@ -27,16 +27,25 @@ DEVICE = "H100-perturbed"
 FAMILIES = ((4096, 4096), (2048, 1024), (8192, 5376), (1024, 512), (3072, 3072), (5376, 21504))
 
 
-@pytest.fixture(scope="module")
-def measured_db(tmp_path_factory):
-    db = tmp_path_factory.mktemp("cal") / "t.db"
+def _measure(db: Path, families, ms, trials: int) -> Path:
     backend = ModelBackend("sm90", device=replace(H100, name=DEVICE, **TRUTH))
     store = Store(str(db))
-    for n, k in FAMILIES:
-        for m in (16, 2048):
-            tune_key(Key("sm90", DEVICE, Problem(m, n, k)), backend, store, Budget(trials=20), name=f"f{n}x{k}")
+    for n, k in families:
+        for m in ms:
+            tune_key(Key("sm90", DEVICE, Problem(m, n, k)), backend, store, Budget(trials=trials), name=f"f{n}x{k}")
     store.close()
     return db
+
+
+@pytest.fixture(scope="module")
+def measured_db(tmp_path_factory):
+    return _measure(tmp_path_factory.mktemp("cal") / "t.db", FAMILIES, (16, 2048), 20)
+
+
+@pytest.fixture(scope="module")
+def small_db(tmp_path_factory):
+    """Enough for a fit to run and print (a fit's time grows with the trials)."""
+    return _measure(tmp_path_factory.mktemp("cal") / "s.db", FAMILIES[:3], (2048,), 8)
 
 
 def calibrate(db, cal_file, *args):
@@ -84,13 +93,14 @@ def test_calibrate_recovers_moved_constants_and_the_model_uses_them(measured_db,
     assert predict_ms(Key("sm90", "some other GPU", p), cfg) == predict_ms(p, cfg, H100)
 
 
-def test_calibrate_prints_a_table_and_rejects_what_it_cannot_fit(measured_db, tmp_path):
+def test_calibrate_prints_a_table_and_rejects_what_it_cannot_fit(small_db, tmp_path):
     cal_file = tmp_path / "calibration.json"
-    proc = calibrate(measured_db, cal_file)
+    proc = calibrate(small_db, cal_file)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "median Spearman" in proc.stdout and "launch_us" in proc.stdout
     assert all(len(line) <= 80 for line in proc.stdout.splitlines() if not line.startswith("wrote "))
-    proc = calibrate(measured_db, cal_file, "--device", "no such GPU")
+    assert DEVICE in read_calibrations(cal_file)
+    proc = calibrate(small_db, cal_file, "--device", "no such GPU")
     assert proc.returncode == 2 and "no measured trials of 'no such GPU'" in proc.stdout
 
 
