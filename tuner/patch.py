@@ -98,6 +98,13 @@ _host_costs: dict[int, tuple[float, float]] = {}
 # 8192: the logits' input of a batch of 16), so that one measured copy of
 # this size bounds what a gather costs.
 _GATHER_MAX_BYTES = 256 << 10
+# A compiled graph run from Python calls the registered op from its wrapper
+# code; inside a forward that call's host cost is several times what
+# `_measure_host_costs` times in a loop (`dispatch`'s path: 56.4 us a call
+# in a compiled SmolLM3 decode step, 14.3 us in a loop; the forward lost
+# 0.943-0.971 with a kernel that saved 12.5 us of device time a call). So a
+# compiled interval's saving must cover this many times the loop's cost.
+_COMPILED_IN_FORWARD = 4.0
 # Per (CUDA device, dtype): us a gather of _GATHER_MAX_BYTES costs a call.
 _gather_costs: dict[tuple[int, torch.dtype], float] = {}
 # `check`: runs of the workload per path (after a warm-up run of each), and
@@ -320,6 +327,7 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     for device in {layer.weight.device.index for layer in layers if spans_of[layer]}:
         on_device = [layer for layer in layers if spans_of[layer] and layer.weight.device.index == device]
         eager, compiled_cost = (0.0, 0.0) if graphs else _costs(device, on_device, spans_of)
+        compiled_cost *= _COMPILED_IN_FORWARD
         for layer in on_device:
             layer.tuner_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= eager)
             layer.tuner_compiled_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer]
@@ -407,14 +415,16 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     where no host time is spent on them: their calls alone decide, each
     timed behind a spin of the device that lets the host enqueue it first.
     Else the stretch of the interval that M stands for goes to cuBLAS
-    (`_trim`). Compiled intervals lose it only where the calls lost, since a
-    compiled graph fuses the kernels around the GEMM and does not pay the
-    eager host cost the forwards measured; so the calls are timed at the M
-    of both kinds of interval, and the forwards, when that was more than the
-    eager intervals' winners, again with those alone (a loser would take the
-    winners beside it down, and eager forwards never run a compiled-only
-    kernel). Intervals no call of the workload fell in stay as the maps made
-    them. Returns what was measured, per shape and M."""
+    (`_trim`). Compiled intervals are judged by the same forwards, run eager
+    with the kernels of both kinds of interval: a graph that torch.compile
+    runs from Python calls the registered op from its wrapper code, whose
+    host cost inside a forward is several times a loop's (`dispatch`'s path
+    took 56 us a call inside a compiled SmolLM3 decode step, 14 us in a
+    loop), so a kernel whose calls won by less lost those forwards (0.943
+    and 0.971 of cuBLAS's). The forwards are measured again with the calls
+    that won alone when others lost (a loser would take the winners beside
+    it down). Intervals no call of the workload fell in stay as the maps
+    made them. Returns what was measured, per shape and M."""
     if rounds < 4:
         raise ValueError(f"check: rounds={rounds}: the estimate needs at least 4 (two of each order)")
     layers = [m for m in model.modules() if type(m) is TunedLinear and (m.tuner_spans or m.tuner_compiled_spans)]
@@ -428,7 +438,7 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     calls = {key: paired_speedup(pairs) for key, pairs in call_pairs.items()}
     wins = {key: _beats(est) for key, est in calls.items()}
     calls_won = {layer: _verdicts(wins, layer) for layer in layers}
-    won = {layer: _trim(s, calls_won[layer]) for layer, s in spans.items()}
+    won = {layer: _trim(s, calls_won[layer]) for layer, s in timed.items()}
     if won != timed:
         forwards = _measure(model, won, workload, rounds)[1] if any(won.values()) else {}
     replayed = {_shape(layer) for layer in layers if layer.tuner_graphs}
@@ -437,7 +447,7 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     kept = {key: wins[key] and (key[:3] in replayed or key not in least or _beats(least[key], z)) for key in calls}
     solos = _solos(forwards, call_pairs, wins, kept, judged)
     if solos:
-        alone = {layer: _trim(s, _verdicts({key: key in solos for key in calls}, layer)) for layer, s in spans.items()}
+        alone = {layer: _trim(s, _verdicts({key: key in solos for key in calls}, layer)) for layer, s in timed.items()}
         solo_least, solo_z = _judge(model, alone, workload, rounds, _measure(model, alone, workload, rounds)[1], solos)
         for key in solos:
             least[key] = solo_least.get(key, least.get(key))
@@ -448,8 +458,9 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
         found.append(Checked(n, k, _DTYPE_NAME[dtype], m, est["speedup"], est["log_se"],
                              whole.get("speedup"), whole.get("log_se"), wins[key], kept[key]))
     for layer in layers:
-        layer.tuner_spans = _trim(spans[layer], _verdicts(kept, layer))
-        layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, calls_won[layer])
+        verdicts = _verdicts(kept, layer)
+        layer.tuner_spans = _trim(spans[layer], verdicts)
+        layer.tuner_compiled_spans = _trim(layer.tuner_compiled_spans, verdicts)
         if not layer.tuner_spans and not layer.tuner_compiled_spans:
             _restore(layer)
     return found
