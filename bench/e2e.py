@@ -333,7 +333,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     for c in checked:
         print(f"{name:12s} check {c.n}x{c.k} M={c.m}: calls x{c.speedup:.3f} (2 se {2 * c.log_se:.3f}), "
               f"forwards x{c.forward_speedup or math.nan:.3f} (2 se {2 * (c.forward_log_se or math.nan):.3f}): "
-              f"{'kept' if c.kept else 'compiled only' if c.calls_won else 'to cuBLAS'}", file=sys.stderr)
+              f"{'kept' if c.kept else 'forwards did not win: to cuBLAS' if c.calls_won else 'to cuBLAS'}", file=sys.stderr)
     models = {"unpatched": model, "patched": tuned}
     # Eager runs (not replayed): a third copy, as `patch(compiled=False)` and the check leave it.
     roles = {}

@@ -776,7 +776,7 @@ def tiny(tmp_path):
 
     store = Store(str(tmp_path / "w.db"))
     env = store.environment("gpu", arch, device, versions(device))
-    point = {"m": 1, "ms": {"cublas": 1.1, cfg.name(): 1.0}}
+    point = {"m": 1, "ms": {"cublas": 1.5, cfg.name(): 1.0}}
     for s in linear_shapes(model):
         store.set_ranges(family_of(Key(arch, device, Problem(1, s.n, s.k))), env, [dict(
             m_lo=1, m_hi=1 << 16, config_name=cfg.name(), scheduler=cfg.scheduler, config=cfg.to_dict(),

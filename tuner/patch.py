@@ -100,10 +100,11 @@ _host_costs: dict[int, tuple[float, float]] = {}
 _GATHER_MAX_BYTES = 256 << 10
 # A compiled graph run from Python calls the registered op from its wrapper
 # code; inside a forward that call's host cost is several times what
-# `_measure_host_costs` times in a loop (`dispatch`'s path: 56.4 us a call
-# in a compiled SmolLM3 decode step, 14.3 us in a loop; the forward lost
-# 0.943-0.971 with a kernel that saved 12.5 us of device time a call). So a
-# compiled interval's saving must cover this many times the loop's cost.
+# `_measure_host_costs` times in a loop (`bench.compiled_op_host`:
+# `dispatch`'s path took 56.4 us a call in a compiled SmolLM3 decode step,
+# `gemm` 14.3 us in a loop; in `bench.e2e` a kernel whose calls ran 1.12x
+# cuBLAS's left those compiled forwards at 0.943-0.971). So a compiled
+# interval's saving must cover this many times the loop's cost.
 _COMPILED_IN_FORWARD = 4.0
 # Per (CUDA device, dtype): us a gather of _GATHER_MAX_BYTES costs a call.
 _gather_costs: dict[tuple[int, torch.dtype], float] = {}
@@ -367,11 +368,11 @@ class Checked:
     cuBLAS's device time over the kernel path's for its layers' calls in a
     run of the workload (`speedup`, with its standard error in log units),
     the ratio of host time of the model's forward that made those calls
-    with the eager intervals' kernels and had the least lower bound, with
+    with the winning calls' kernels and had the least lower bound, with
     its standard error (`forward_speedup`, `forward_log_se`; None when no
-    such forward did), whether the calls won (`calls_won`: the kernel stays
-    in compiled graphs at that M) and whether the forwards did too (`kept`:
-    it stays in eager calls; the calls alone for layers patched with
+    such forward did), whether the calls won (`calls_won`) and whether the
+    forwards did too (`kept`: the kernel stays at that M, in eager calls
+    and compiled graphs; the calls alone decide for layers patched with
     `graphs`)."""
 
     n: int
@@ -418,10 +419,9 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     (`_trim`). Compiled intervals are judged by the same forwards, run eager
     with the kernels of both kinds of interval: a graph that torch.compile
     runs from Python calls the registered op from its wrapper code, whose
-    host cost inside a forward is several times a loop's (`dispatch`'s path
-    took 56 us a call inside a compiled SmolLM3 decode step, 14 us in a
-    loop), so a kernel whose calls won by less lost those forwards (0.943
-    and 0.971 of cuBLAS's). The forwards are measured again with the calls
+    host cost inside a forward is several times a loop's
+    (`_COMPILED_IN_FORWARD`), so a kernel whose calls won by less lost
+    those forwards (0.943 and 0.971 of cuBLAS's). The forwards are measured again with the calls
     that won alone when others lost (a loser would take the winners beside
     it down). Intervals no call of the workload fell in stay as the maps
     made them. Returns what was measured, per shape and M."""
