@@ -421,10 +421,11 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     runs from Python calls the registered op from its wrapper code, whose
     host cost inside a forward is several times a loop's
     (`_COMPILED_IN_FORWARD`), so a kernel whose calls won by less lost
-    those forwards (0.943 and 0.971 of cuBLAS's). The forwards are measured again with the calls
-    that won alone when others lost (a loser would take the winners beside
-    it down). Intervals no call of the workload fell in stay as the maps
-    made them. Returns what was measured, per shape and M."""
+    those forwards (0.943 and 0.971 of cuBLAS's). The forwards are
+    measured again with the calls that won alone when others lost (a loser
+    would take the winners beside it down). Intervals no call of the
+    workload fell in stay as the maps made them. Returns what was measured,
+    per shape and M."""
     if rounds < 4:
         raise ValueError(f"check: rounds={rounds}: the estimate needs at least 4 (two of each order)")
     layers = [m for m in model.modules() if type(m) is TunedLinear and (m.tuner_spans or m.tuner_compiled_spans)]
