@@ -30,6 +30,11 @@ def small_model():
     return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Linear(256, 1024))
 
 
+def conv_model():
+    """A 3-D weight that is no expert's: a convolution (as a Mamba layer has)."""
+    return nn.Sequential(nn.Conv1d(256, 256, 4, groups=256), nn.Linear(256, 1024))
+
+
 def _cli(*args):
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True, cwd=ROOT,
@@ -101,6 +106,7 @@ def test_shapes_no_kernel_takes_and_expert_weights_are_comments_that_say_why(tmp
     assert "#   Qwen2MoeExperts.gate_up_proj 4x512x512" in text and "#   Qwen2MoeExperts.down_proj 4x512x256" in text
     proc = _cli("tune", "--model", str(config), "--m", "16", "--only", "small_qwen.shared*", "--db", str(tmp_path / "t.db"))
     assert proc.returncode == 2 and "no key of" in proc.stdout, proc.stdout + proc.stderr
+    assert "not listed" not in shapes_from_model("tests.test_linears:conv_model", [1])
 
 
 @pytest.mark.parametrize("source, message", [

@@ -177,9 +177,14 @@ def _outside_the_pool(shape: LinearShape, dtype: str) -> str | None:
 
 
 def _expert_weights(model) -> list[str]:
-    """`Module.param ExNxK` of every distinct 3-D floating weight of `model`."""
+    """`Module.param ExNxK` of every distinct 3-D floating weight of `model`
+    but convolutions' (a Mamba layer's conv1d is 3-D too)."""
+    from torch import nn
+
     found: dict[str, None] = {}
     for module in model.modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            continue
         for name, p in module.named_parameters(recurse=False):
             if p.dim() == 3 and p.is_floating_point():
                 found[f"{type(module).__name__}.{name} {'x'.join(map(str, p.shape))}"] = None
