@@ -22,8 +22,8 @@ import torch
 from transformers import StaticCache
 
 import tuner
-from tuner import dispatch
-from tuner.linears import build_model
+from tuner.runtime import dispatch
+from tuner.runtime.linears import build_model
 
 CONFIG = "bench/configs/smollm3-3b.json"
 

@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from tuner import dispatch, patch
-from tuner.linears import build_model
-from tuner.measure import gc_paused
-from tuner.patch import TunedLinear
+from tuner.runtime import dispatch
+from tuner.runtime import patch
+from tuner.runtime.linears import build_model
+from tuner.backends.measure import gc_paused
+from tuner.runtime.patch import TunedLinear
 
 _PAIRS, _REFILL = 1500, 60  # paired steps per variant; steps between cache refills
 _NOWHERE = ((1 << 30, 1 << 30),)

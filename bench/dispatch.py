@@ -4,7 +4,7 @@
 
 Stores a winner for the exact key (the arch's default static-persistent
 config, under this process's versions) in a temporary database, points
-`tuner.dispatch` at it and makes one call so the decision is cached and the
+`tuner.runtime.dispatch` at it and makes one call so the decision is cached and the
 kernel built. Then, for each way of launching the same product, times
 `--rounds` batches of `--calls` back-to-back calls on the host
 (perf_counter around the batch, the GPU drained between batches so the
@@ -39,8 +39,8 @@ from bench.kernels_sm90 import device_slug
 from bench.record import save
 from db.store import Store
 from kernels import space
-from tuner import dispatch
-from tuner._gpu_worker import versions
+from tuner.runtime import dispatch
+from tuner.backends.gpu_worker import versions
 from tuner.key import Key, Problem
 
 _ARCHS = {9: "sm90", 10: "sm100"}

@@ -18,7 +18,7 @@ size (the operands come from DRAM, as in a model's forward); the paths
 (and a second capture of cuBLAS, the bench's floor: `cublas_again`) take
 turns replay by replay, `--rounds` each, over `--placements` copies of the
 input and output (`time_pair`); times are trimmed means
-(`tuner.measure.trimmed_mean`, as the tuner's validation uses), the ratio a
+(`tuner.backends.measure.trimmed_mean`, as the tuner's validation uses), the ratio a
 trimmed mean of the rounds' paired log ratios. Writes `<out>/<device-slug>-dynamic-m.json`: per family and M the
 times, cuBLAS / gemm, cuBLAS / cuBLAS again, the path `gemm` took and the
 interval of the map behind it; per family and overall the geometric mean,
@@ -42,9 +42,9 @@ import torch.nn.functional as F
 
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner import dispatch
-from tuner.ladder import rungs
-from tuner.measure import trimmed_mean
+from tuner.runtime import dispatch
+from tuner.search.ladder import rungs
+from tuner.backends.measure import trimmed_mean
 from tuner.shapes import parse_shapes
 
 M_MAX = 8192
@@ -158,7 +158,7 @@ def replay_rounds(graphs: list[torch.cuda.CUDAGraph], rounds: int, flush: torch.
     orders = list(itertools.permutations(range(size)))
     # A GPU's first calls after a pause run slow, a ramp interleaving does
     # not cancel (the measurements are at the tuner's own warm-up,
-    # `tuner._gpu_worker.IDLE_S`): rounds run untimed for WARMUP_S first.
+    # `tuner.backends.gpu_worker.IDLE_S`): rounds run untimed for WARMUP_S first.
     started = time.perf_counter()
     while time.perf_counter() - started < WARMUP_S:
         for graph in graphs:

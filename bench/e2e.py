@@ -97,10 +97,12 @@ import torch
 from bench.dynamic_m import compile_choices
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner import check, dispatch, patch, unpatch
-from tuner.linears import build_model, linear_shapes
-from tuner.measure import gc_paused, paired_speedup, trimmed_mean
-from tuner.patch import PatchWarning, TunedLinear, host_costs
+from tuner import check, unpatch
+from tuner.runtime import dispatch
+from tuner.runtime import patch
+from tuner.runtime.linears import build_model, linear_shapes
+from tuner.backends.measure import gc_paused, paired_speedup, trimmed_mean
+from tuner.runtime.patch import PatchWarning, TunedLinear, host_costs
 
 MODELS = ("gemma-3-27b", "llama-3.1-8b", "qwen2.5-7b")
 DEVICE = "cuda"
@@ -209,7 +211,7 @@ class _Graphed:
     first call, and the output is the captured one, overwritten by the next
     replay. The first call runs `fn` `_WARMUPS` times untimed on a side
     stream before capturing: every key's kernel is decided and built then,
-    as capture needs (`tuner.dispatch`)."""
+    as capture needs (`tuner.runtime.dispatch`)."""
 
     def __init__(self, fn) -> None:
         self._fn, self._graph = fn, None

@@ -40,7 +40,7 @@ from bench.e2e import _pairs, _rel_err, _timed
 from bench.kernels_sm90 import device_slug
 from kernels.compile import get_kernel
 from kernels.space import GemmConfig
-from tuner.linears import build_model
+from tuner.runtime.linears import build_model
 
 TOP = 12  # kernels listed per variant
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from bench.grouped import MOE_KEYS, _cfg
 from bench.kernels_sm90 import device_slug
-from tuner._gpu_worker import DEFAULT_GROUP_SKEW
-from tuner.gpu import problem_to_json
+from tuner.backends.gpu_worker import DEFAULT_GROUP_SKEW
+from tuner.backends.gpu import problem_to_json
 from tuner.key import Problem
 
 CONFIGS = (
@@ -51,7 +51,7 @@ def plain_group_order() -> None:
 def _time_order(order: str) -> list[dict]:
     import torch
 
-    from tuner import _gpu_worker as worker
+    from tuner.backends import gpu_worker as worker
 
     if order == "group":
         plain_group_order()

@@ -9,13 +9,13 @@
     the long-K tiles of groups 1 and 3 to the same CTAs; the dynamic scheduler
     hands each to a free CTA.
 (b) moe: MoE keys (8 and 64 experts, hidden sizes 2048 to 7168), balanced
-    (skew 0) and skewed (`tuner._gpu_worker.DEFAULT_GROUP_SKEW`) routing, one
+    (skew 0) and skewed (`tuner.backends.gpu_worker.DEFAULT_GROUP_SKEW`) routing, one
     with SMs held by another kernel. Each key is tuned as `tuner tune` does
     (`--trials` measured configs, a few hand-picked tiles among the first),
     and its best pool config re-measured interleaved with `torch._grouped_mm`
     and with a loop of cuBLAS calls, one per expert.
 
-All times come from `tuner.gpu.GpuBackend` (CUDA graph replays, operands
+All times come from `tuner.backends.gpu.GpuBackend` (CUDA graph replays, operands
 rotated through more than L2). Writes `<out>/<device-slug>-grouped.json`,
 replacing the records of the parts (and MoE skews) it ran and keeping the
 rest, so the parts may run in separate processes.
@@ -33,10 +33,10 @@ from pathlib import Path
 from bench.kernels_sm90 import ARCH, device_slug, max_stages
 from db.store import Store
 from kernels.space import GemmConfig
-from tuner._gpu_worker import CUBLAS_LOOP, DEFAULT_GROUP_SKEW
-from tuner.gpu import GpuBackend
+from tuner.backends.gpu_worker import CUBLAS_LOOP, DEFAULT_GROUP_SKEW
+from tuner.backends.gpu import GpuBackend
 from tuner.key import Key, Problem
-from tuner.search import Budget, tune_key
+from tuner.search.study import Budget, tune_key
 
 SEED000_K = [2 ** e for e in range(10, 16)]
 # 128 x 128 tiles give 64 per group: two waves on 132 SMs, the case where

@@ -51,10 +51,12 @@ import torch.nn.functional as F
 from bench.kernels_sm90 import device_slug
 from bench.record import save
 from kernels import compile as kernels_compile
-from tuner import dispatch, patch, unpatch
-from tuner.linears import build_model
-from tuner.measure import gc_paused
-from tuner.patch import TunedLinear, host_costs, host_us_per_call
+from tuner import unpatch
+from tuner.runtime import dispatch
+from tuner.runtime import patch
+from tuner.runtime.linears import build_model
+from tuner.backends.measure import gc_paused
+from tuner.runtime.patch import TunedLinear, host_costs, host_us_per_call
 
 _CALLS = 20
 

@@ -3,7 +3,7 @@
     python -m bench.imbalance [--sms 0 20 40 60] [--out bench/results]
 
 For each problem and each number of held SMs, a spinning kernel on a second
-stream holds that many SMs (`tuner.carveout`) while the GEMM runs. The static
+stream holds that many SMs (`tuner.backends.carveout`) while the GEMM runs. The static
 persistent kernel launches one CTA per SM and deals tiles out in advance, so
 the CTAs that wait for a held SM leave their tiles for a second, mostly empty
 wave; the dynamic (atomic counter) kernel hands tiles to whichever CTA is
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from bench.kernels_sm90 import ARCH, GEMMA3_27B, device_slug, max_stages
 from kernels.space import GemmConfig
-from tuner.carveout import expected_slowdown
-from tuner.gpu import GpuBackend
+from tuner.backends.carveout import expected_slowdown
+from tuner.backends.gpu import GpuBackend
 from tuner.key import Key, Problem
 
 PROBLEMS = {"square_8192": (8192, 8192, 8192), "gemma27b_down_8192": (8192, *GEMMA3_27B["down"])}

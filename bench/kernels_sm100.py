@@ -14,7 +14,7 @@ spread and asserts the checks.
 On a Blackwell GPU the default run first checks every scheduler against an
 fp32 reference on awkward shapes (sizes that are not multiples of any tile,
 tiny M, both layouts, fp32 output, split-K), then tunes the Gemma 3 27B keys
-with `tuner.search` against cuBLAS, and writes `<out>/<device-slug>-sm100.json`
+with `tuner.search.study` against cuBLAS, and writes `<out>/<device-slug>-sm100.json`
 (the correctness results and one record per key) and a markdown table.
 """
 
@@ -211,7 +211,7 @@ def correctness(backend, device: str) -> list[dict]:
 
 
 def tune(args: argparse.Namespace) -> dict:
-    from tuner.gpu import GpuBackend
+    from tuner.backends.gpu import GpuBackend
 
     backend = GpuBackend(ARCH, args.device)
     deadline = time.monotonic() + args.budget_s

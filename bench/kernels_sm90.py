@@ -4,7 +4,7 @@
                                  [--out bench/results]
 
 Every key is tuned exactly as `tuner tune --backend gpu` tunes it
-(`tuner.search.tune_key`): the analytic model's best configs of each
+(`tuner.search.study.tune_key`): the analytic model's best configs of each
 scheduler, compiled in parallel up front, then Optuna's TPE; the best config
 is tried under every scheduler, and the two best pool configs and cuBLAS are
 re-measured interleaved. Writes `<out>/<device-slug>-sm90.json` (one record
@@ -59,7 +59,7 @@ def _searched(backend, key: Key, name: str, trials: int, seconds: float | None, 
               reuse: bool = False) -> dict:
     """Tune `key` through the search (or, with `reuse`, take its current winner); the winner's record."""
     from db.store import Store
-    from tuner.search import Budget, tune_key
+    from tuner.search.study import Budget, tune_key
 
     store = Store(db)
     try:
@@ -120,7 +120,7 @@ def _capabilities(backend, key: Key, trials_) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from tuner.gpu import GpuBackend
+    from tuner.backends.gpu import GpuBackend
 
     backend = GpuBackend(ARCH, args.device)
     shapes, ms = KEY_SETS[args.keys]

@@ -15,7 +15,7 @@ import argparse
 
 from bench.seed000_profile import profiled
 from kernels.space import GemmConfig
-from tuner.gpu import problem_to_json
+from tuner.backends.gpu import problem_to_json
 from tuner.key import Problem
 
 

@@ -43,9 +43,9 @@ from torch import nn
 from bench.host_path import timed_in_place
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner.linears import build_model
-from tuner.measure import gc_paused, paired_speedup
-from tuner.patch import TunedLinear
+from tuner.runtime.linears import build_model
+from tuner.backends.measure import gc_paused, paired_speedup
+from tuner.runtime.patch import TunedLinear
 
 
 class _Subclass(nn.Linear):

@@ -19,7 +19,7 @@ import torch
 
 from bench.group_order import ORDERS, plain_group_order
 from bench.grouped import _cfg
-from tuner._gpu_worker import DEFAULT_GROUP_SKEW, group_bounds
+from tuner.backends.gpu_worker import DEFAULT_GROUP_SKEW, group_bounds
 
 CONFIGS = (
     _cfg("single_tile", tile_m=128, tile_n=256),

@@ -42,10 +42,12 @@ from torch import nn
 from bench.e2e import VARIANTS, _paired, _pairs
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner.linears import build_model
-from tuner.measure import paired_speedup
-from tuner import dispatch, patch, unpatch
-from tuner.patch import TunedLinear
+from tuner.runtime.linears import build_model
+from tuner.backends.measure import paired_speedup
+from tuner import unpatch
+from tuner.runtime import dispatch
+from tuner.runtime import patch
+from tuner.runtime.patch import TunedLinear
 
 _NOWHERE = ((1 << 30, 1 << 30),)  # an interval no forward of this bench reaches
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from bench.dynamic_m import capture, families, flush_buffer, m_list, replay_rounds
 from bench.kernels_sm90 import device_slug
 from bench.record import save
-from tuner.measure import trimmed_mean
+from tuner.backends.measure import trimmed_mean
 
 # (rows, columns, warps) of one program of the read kernel; the fastest wins.
 READ_BLOCKS = ((4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8))

@@ -73,9 +73,9 @@ def tune(work: Path) -> None:
 def compare(work: Path, out: str) -> None:
     from db.store import Store
     from kernels.space import GemmConfig
-    from tuner.gpu import GpuBackend
+    from tuner.backends.gpu import GpuBackend
     from tuner.key import Key, Problem
-    from tuner.lookup import lookup
+    from tuner.runtime.lookup import lookup
 
     runs = json.loads((work / "tune.json").read_text())
     one, two = Store(str(work / "one.db"), writer=False), Store(str(work / "two.db"), writer=False)

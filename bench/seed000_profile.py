@@ -17,8 +17,8 @@ import torch
 
 from bench.grouped import _cfg, seed000_problem
 from kernels.space import GemmConfig
-from tuner import _gpu_worker as worker
-from tuner.gpu import problem_to_json
+from tuner.backends import gpu_worker as worker
+from tuner.backends.gpu import problem_to_json
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ def _runs(cfg: GemmConfig, p: Problem) -> bool:
 
 def run(ms: list[int], out: Path, variants: tuple[GemmConfig, ...] = VARIANTS, cold: bool = False) -> list[dict]:
     from kernels.compile import compile_many
-    from tuner.gpu import GpuBackend
+    from tuner.backends.gpu import GpuBackend
 
     compile_many(list(variants), workers=16)
     records = []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kernels.space import GemmConfig
 from tuner.key import Key, Problem
-from tuner.trace import run, summarise, write
+from tuner.observe.trace import run, summarise, write
 
 TRACES = {
     "seed000-static": (Problem(1024, 1024, 32768, groups=4, group_k=(1024, 32768, 1024, 32768)),

@@ -43,10 +43,9 @@ from db.engine import resolve_url, writable
 from db.models import Environment
 from db.store import Store
 from service.cache import MISSING, Cache
-from service.schemas import (
-    MAX_IMPORT, Best, BestQuery, Health, Imported, Key, Record, RecordIn, Results, ResultsQuery,
-)
-from tuner.lookup import RANGE, Decision, decide
+from service.schemas import MAX_IMPORT, Best, BestQuery, Health, Imported, Results, ResultsQuery
+from tuner.records import Key, Record, RecordIn
+from tuner.runtime.lookup import RANGE, Decision, decide
 
 TOKEN_ENV = "TUNER_TOKEN"
 # A full import (MAX_IMPORT records of about 1 KB) fits with room to spare.

@@ -14,10 +14,10 @@ import pytest
 
 from db.store import Store
 from kernels.space import GemmConfig
-from tuner.calibration import spearman
+from tuner.backends.calibration import spearman
 from tuner.key import Key, Problem
-from tuner.model import CALIBRATION_ENV, H100, ModelBackend, predict_ms, read_calibrations
-from tuner.search import Budget, tune_key
+from tuner.backends.model import CALIBRATION_ENV, H100, ModelBackend, predict_ms, read_calibrations
+from tuner.search.study import Budget, tune_key
 
 ROOT = Path(__file__).resolve().parents[1]
 # The "real" device: constants the datasheet model does not have.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.ladder import rungs
+from tuner.search.ladder import rungs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,9 @@ import torch
 from db.store import Store
 from kernels import space
 from kernels.grouped import MAX_GROUPS
-from tuner import dispatch, explain, gemm
-from tuner._gpu_worker import versions
+from tuner import explain, gemm
+from tuner.runtime import dispatch
+from tuner.backends.gpu_worker import versions
 from tuner.key import Key, Problem
 
 DEVICE = "TestGPU"
@@ -53,11 +54,11 @@ def db(tmp_path):
 def test_import_is_cheap_and_exports_the_functions():
     code = (
         "import sys, tuner; assert 'torch' not in sys.modules and 'sqlalchemy' not in sys.modules;"
-        # Importing the submodule tuner.lookup must not hide the function of that name.
-        "import tuner.dispatch, tuner.lookup; from tuner import lookup, gemm, explain;"
-        "from tuner.lookup import decide;"
-        "assert lookup is tuner.lookup is sys.modules['tuner.lookup'].lookup, lookup;"
-        "assert gemm is sys.modules['tuner.dispatch'].gemm"
+        # Importing the submodule tuner.runtime.lookup must not hide the function of that name.
+        "import tuner.runtime.dispatch, tuner.runtime.lookup; from tuner import lookup, gemm, explain;"
+        "from tuner.runtime.lookup import decide;"
+        "assert lookup is tuner.runtime.lookup is sys.modules['tuner.runtime.lookup'].lookup, lookup;"
+        "assert gemm is sys.modules['tuner.runtime.dispatch'].gemm"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -276,7 +277,7 @@ def test_grouped_winner_runs_the_grouped_kernel(db):
 
 
 def test_call_signature_separates_everything_the_rules_read():
-    from tuner.dispatch import _signature
+    from tuner.runtime.dispatch import _signature
 
     x = torch.empty(64, 128, dtype=torch.bfloat16)
     w = torch.empty(256, 128, dtype=torch.bfloat16)

@@ -11,9 +11,9 @@ import pytest
 
 from kernels.grouped import MAX_GROUPS
 from kernels.space import GemmConfig
-from tuner import _gpu_worker as worker
-from tuner.carveout import check_sms, expected_slowdown
-from tuner.gpu import (
+from tuner.backends import gpu_worker as worker
+from tuner.backends.carveout import check_sms, expected_slowdown
+from tuner.backends.gpu import (
     GpuBackend,
     GpuUnavailable,
     WorkerLost,
@@ -220,7 +220,7 @@ _FAULTING = textwrap.dedent(
     import triton
     import triton.language as tl
 
-    import tuner._gpu_worker as w
+    import tuner.backends.gpu_worker as w
 
 
     @triton.jit

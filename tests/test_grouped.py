@@ -11,7 +11,7 @@ import torch
 from kernels import compile as kc
 from kernels.grouped import LIGHT_ROWS, MAX_GROUPS, work_order
 from kernels.space import GemmConfig
-from tuner._gpu_worker import group_bounds
+from tuner.backends.gpu_worker import group_bounds
 
 DYN = "dynamic_persistent"
 STATIC = "static_persistent"

@@ -17,10 +17,10 @@ from sqlalchemy import create_engine
 from db.migrate import alembic_config
 from db.store import Store
 from tuner.key import Key, Problem
-from tuner.ladder import build_map, probes, rungs, tune_family
-from tuner.lookup import BASELINE, EXACT, NEAREST, RANGE, lookup, speedup_at
-from tuner.model import ModelBackend
-from tuner.search import Budget, hint_variant, scheduler_variant
+from tuner.search.ladder import build_map, probes, rungs, tune_family
+from tuner.runtime.lookup import BASELINE, EXACT, NEAREST, RANGE, lookup, speedup_at
+from tuner.backends.model import ModelBackend
+from tuner.search.study import Budget, hint_variant, scheduler_variant
 from kernels.space import GemmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def _cli(*args, db):
 
 
 def test_remap_rebuilds_a_map_from_its_evidence_under_the_current_rule(tmp_path):
-    from tuner.lookup import family_of
+    from tuner.runtime.lookup import family_of
 
     path = tmp_path / "old.db"
     store = Store(str(path))
@@ -248,7 +248,7 @@ class _RowStepBackend:
     name = "synthetic"
 
     def remeasure(self, key, cfgs, *, cold=False):
-        from tuner.measure import Measurement
+        from tuner.backends.measure import Measurement
 
         m = key.problem.m
         out = []
@@ -263,7 +263,7 @@ class _RowStepBackend:
 
 def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
     from kernels import space
-    from tuner.ladder import _measure, _refine
+    from tuner.search.ladder import _measure, _refine
 
     cfg = space.defaults("sm90")["static_persistent"]
     assert cfg.tile_m == 128
@@ -288,7 +288,7 @@ class _DipBackend:
     name = "synthetic"
 
     def remeasure(self, key, cfgs, *, cold=False):
-        from tuner.measure import Measurement
+        from tuner.backends.measure import Measurement
 
         m = key.problem.m
         return [Measurement(ms=(0.95 if 66 <= m <= 74 else 1.0) if c is None else 0.98, ok=True) for c in cfgs]
@@ -296,7 +296,7 @@ class _DipBackend:
 
 def test_refine_bisects_thin_leads_where_cublas_changes_kernel_between_points():
     from kernels import space
-    from tuner.ladder import DENSE_RATIO, THIN_MARGIN, _measure, _refine
+    from tuner.search.ladder import DENSE_RATIO, THIN_MARGIN, _measure, _refine
 
     cfg = space.defaults("sm90")["single_tile"]
     template = Key("sm90", "synthetic", Problem(64, 4096, 4096))
@@ -326,7 +326,7 @@ class _SpellBackend:
         self.rounds = {}
 
     def remeasure(self, key, cfgs, *, cold=False):
-        from tuner.measure import Measurement
+        from tuner.backends.measure import Measurement
 
         m = key.problem.m
         self.rounds[m] = self.rounds.get(m, 0) + 1
@@ -336,8 +336,8 @@ class _SpellBackend:
 
 
 def test_a_point_measured_in_a_slow_spell_is_measured_again_before_it_decides():
-    from tuner.ladder import _measure, _steady
-    from tuner.measure import slow_spell
+    from tuner.search.ladder import _measure, _steady
+    from tuner.backends.measure import slow_spell
 
     cfg = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=16, stages=8, split_k=2, swap_ab=True)
     template = Key("sm90", "synthetic", Problem(16, 3072, 3072))
@@ -357,8 +357,8 @@ def test_refine_measures_a_range_that_starts_between_points():
     """A range can begin right after a point another kernel took (64-row
     tiles: M = 64 is one row, 65 is two). Its first M is measured, and so
     is the thin stretch between that point and the next."""
-    from tuner.ladder import _measure, _refine
-    from tuner.measure import Measurement
+    from tuner.search.ladder import _measure, _refine
+    from tuner.backends.measure import Measurement
 
     one_row = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=64, stages=8)
     two_rows = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=128, stages=8)
@@ -389,8 +389,8 @@ def test_refine_bisects_a_stretch_between_two_kernels_winning_points():
     both, so 65-75 would go to cuBLAS untimed. Bisected, the second kernel
     takes the stretch from within DENSE_RATIO of 64, and nothing takes an M
     where it loses."""
-    from tuner.ladder import DENSE_RATIO, _measure, _refine
-    from tuner.measure import Measurement
+    from tuner.search.ladder import DENSE_RATIO, _measure, _refine
+    from tuner.backends.measure import Measurement
 
     narrow = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=64, stages=8)
     wide = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=96, stages=8)
@@ -416,11 +416,11 @@ def test_refine_bisects_a_stretch_between_two_kernels_winning_points():
 
 
 def test_refine_leaves_wide_leads_alone():
-    from tuner.ladder import _measure, _refine
+    from tuner.search.ladder import _measure, _refine
 
     class Wide(_DipBackend):
         def remeasure(self, key, cfgs, *, cold=False):
-            from tuner.measure import Measurement
+            from tuner.backends.measure import Measurement
 
             return [Measurement(ms=1.0 if c is None else 0.8, ok=True) for c in cfgs]
 
@@ -436,7 +436,7 @@ def test_validation_also_times_the_winners_under_stream_k_and_the_other_l2_hint(
     """Between rungs a winner's tiles leave a partial wave its rungs did not
     have, and the L2 hint's worth changes with M: every point times each
     neighbouring winner under stream-K and under the other hint too."""
-    from tuner.ladder import _measure_points
+    from tuner.search.ladder import _measure_points
 
     class Recording(ModelBackend):
         def __init__(self):
@@ -486,7 +486,7 @@ def test_gaps_next_to_a_winning_rung_get_a_rung_at_their_midpoint(tmp_path):
 def test_rungs_of_a_few_rows_are_seeded_with_swap_ab(tmp_path):
     """A measured backend's rungs start from their neighbours' winners and
     the model's picks, and those of at most 128 rows from `swap_seeds` too."""
-    from tuner.search import swap_seeds
+    from tuner.search.study import swap_seeds
 
     class Measured(ModelBackend):
         name = "measured"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tuner.linears import ModelSourceError, build_model, linear_shapes, shapes_from_model, shipped_models
+from tuner.runtime.linears import ModelSourceError, build_model, linear_shapes, shapes_from_model, shipped_models
 from tuner.shapes import parse_shapes, parse_text
 
 pytest.importorskip("transformers")
@@ -173,7 +173,7 @@ def test_the_e2e_speedup_keeps_the_order_effect_out():
     standard error that of the noise alone, not of the order's two modes."""
     import random
 
-    from tuner.measure import paired_speedup
+    from tuner.backends.measure import paired_speedup
 
     rng = random.Random(0)
     pairs = []
@@ -203,7 +203,7 @@ def test_the_speedup_standard_error_is_the_trimmed_estimates_own(tail):
     import random
     import statistics
 
-    from tuner.measure import paired_speedup
+    from tuner.backends.measure import paired_speedup
 
     rng = random.Random(1)
 
@@ -227,10 +227,11 @@ def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch
     import importlib
 
     from bench.e2e import _patch_like
-    from tuner import dispatch, patch
-    from tuner.lookup import Span
+    from tuner.runtime import dispatch
+    from tuner.runtime import patch
+    from tuner.runtime.lookup import Span
 
-    patch_module = importlib.import_module("tuner.patch")
+    patch_module = importlib.import_module("tuner.runtime.patch")
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, patch_module.TunedLinear))
     monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
     plain = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)).to(torch.bfloat16)
@@ -246,7 +247,7 @@ def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch
 def test_timed_pairs_run_with_the_garbage_collector_paused_and_restored():
     import gc
 
-    from tuner.measure import gc_paused
+    from tuner.backends.measure import gc_paused
 
     assert gc.isenabled()
     with gc_paused():
@@ -268,10 +269,11 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
     import importlib
 
     from bench.e2e import _swap
-    from tuner import dispatch, patch
-    from tuner.lookup import Span
+    from tuner.runtime import dispatch
+    from tuner.runtime import patch
+    from tuner.runtime.lookup import Span
 
-    patch_module = importlib.import_module("tuner.patch")
+    patch_module = importlib.import_module("tuner.runtime.patch")
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, patch_module.TunedLinear))
     monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
     net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)).to(torch.bfloat16)
@@ -302,10 +304,11 @@ def test_the_e2e_eager_roles_run_one_model_as_each_variant_and_trade_them(monkey
     import importlib
 
     from bench.e2e import _roles, _swap
-    from tuner import dispatch, patch
-    from tuner.lookup import Span
+    from tuner.runtime import dispatch
+    from tuner.runtime import patch
+    from tuner.runtime.lookup import Span
 
-    patch_module = importlib.import_module("tuner.patch")
+    patch_module = importlib.import_module("tuner.runtime.patch")
     TunedLinear = patch_module.TunedLinear
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
     monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
@@ -331,7 +334,7 @@ def test_the_e2e_eager_roles_run_one_model_as_each_variant_and_trade_them(monkey
 
 def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():
     from bench.patch_overhead import _set
-    from tuner.patch import TunedLinear
+    from tuner.runtime.patch import TunedLinear
 
     net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8), nn.Linear(8, 4, bias=False))
     x = torch.randn(3, 8)
@@ -346,7 +349,7 @@ def test_linear_calls_variants_compute_what_nn_linear_does_and_the_timers_come_o
     """bench.linear_calls compares classes of the same layer: each must make
     the same product, and its per-type timers must leave every call as it was."""
     from bench.linear_calls import VARIANTS, _per_type
-    from tuner.patch import TunedLinear
+    from tuner.runtime.patch import TunedLinear
 
     layer = nn.Linear(8, 16)
     layer.__class__ = TunedLinear

@@ -13,7 +13,7 @@ import pytest
 from kernels import space
 from kernels.space import DTYPE_BYTES, GemmConfig, InvalidConfig
 from tuner.key import Key, Problem
-from tuner.model import B200, DEVICES, H100, MODEL_VERSION, ModelBackend, _greedy, baseline_ms, predict_ms
+from tuner.backends.model import B200, DEVICES, H100, MODEL_VERSION, ModelBackend, _greedy, baseline_ms, predict_ms
 
 SEED000_K = (1024, 4096, 8192, 16384, 32768)
 
@@ -281,7 +281,7 @@ def test_clusters_that_run_at_once_come_from_the_measured_table():
 
 
 def test_wave_fit_counts_partial_waves_and_edge_tiles():
-    from tuner.model import wave_fit
+    from tuner.backends.model import wave_fit
 
     p = Problem(512, 5376, 4096)
     # 128x176: 4 x 31 tiles in one wave of 132, the last column half empty.
@@ -379,7 +379,7 @@ def test_stream_k_gains_nothing_where_the_waves_are_whole(shape, tile_n, most):
 
 
 def test_stream_k_splits_the_partial_wave_as_the_kernel_does():
-    from tuner.model import SK_MAX_SLICES, SK_MIN_K_TILES, _stream_k_plan
+    from tuner.backends.model import SK_MAX_SLICES, SK_MIN_K_TILES, _stream_k_plan
 
     schedulers = pytest.importorskip("kernels.schedulers")
     assert (SK_MIN_K_TILES, SK_MAX_SLICES) == (schedulers.SK_MIN_K_TILES, schedulers.SK_MAX_SLICES)
@@ -410,7 +410,7 @@ def _units(tiles: int, kblocks: int, sk: int, slices: int) -> list[tuple[int, in
     (7, 81, 66), (200, 100, 66), (67, 17, 66), (1, 64, 132), (133, 83, 132),
 ])
 def test_stream_k_units_cover_every_k_block_once_and_fit_two_slots(tiles, kblocks, workers):
-    from tuner.model import SK_MIN_K_TILES, _stream_k_plan
+    from tuner.backends.model import SK_MIN_K_TILES, _stream_k_plan
 
     sk, slices = _stream_k_plan(tiles, kblocks, workers)
     units = _units(tiles, kblocks, sk, slices)

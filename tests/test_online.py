@@ -14,11 +14,12 @@ import torch
 
 from db.store import Store
 from kernels import space
-from tuner import dispatch, online
-from tuner._gpu_worker import versions
+from tuner.runtime import dispatch
+from tuner.runtime import online
+from tuner.backends.gpu_worker import versions
 from tuner.key import Key, Problem
-from tuner.lookup import RANGE, lookup
-from tuner.model import ModelBackend
+from tuner.runtime.lookup import RANGE, lookup
+from tuner.backends.model import ModelBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 N, K = 1024, 2048

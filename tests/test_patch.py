@@ -13,12 +13,14 @@ from torch import nn
 
 from db.store import Store
 from kernels import space
-from tuner import check, dispatch, patch, patched, unpatch
-from tuner._gpu_worker import versions
+from tuner import check, patched, unpatch
+from tuner.runtime import dispatch
+from tuner.runtime import patch
+from tuner.backends.gpu_worker import versions
 from tuner.key import Key, Problem
-from tuner.lookup import Span, kernel_spans
+from tuner.runtime.lookup import Span, kernel_spans
 
-patch_module = importlib.import_module("tuner.patch")
+patch_module = importlib.import_module("tuner.runtime.patch")
 TunedLinear, PatchWarning = patch_module.TunedLinear, patch_module.PatchWarning
 
 
@@ -742,7 +744,7 @@ def test_kernel_spans_from_a_real_store(tmp_path):
              evidence=[point, closer]),
         dict(m_lo=301, m_hi=4096, config_name="cublas", scheduler="cublas", config=None, evidence=[point]),
     ]
-    from tuner.lookup import family_of
+    from tuner.runtime.lookup import family_of
 
     store.set_ranges(family_of(key(1)), env, ranges)
     # A map: its kernel intervals only, with the least saving of their points.
@@ -771,8 +773,8 @@ def tiny(tmp_path):
     config = transformers.AutoConfig.for_model("llama", **TINY)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    from tuner.linears import linear_shapes
-    from tuner.lookup import family_of
+    from tuner.runtime.linears import linear_shapes
+    from tuner.runtime.lookup import family_of
 
     store = Store(str(tmp_path / "w.db"))
     env = store.environment("gpu", arch, device, versions(device))

@@ -1,6 +1,6 @@
 import pytest
 
-from tuner.plots import palette
+from tuner.observe.plots import palette
 
 
 @pytest.mark.parametrize("count", [1, 10, 11, 20, 21, 40])

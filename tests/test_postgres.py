@@ -27,8 +27,8 @@ from db.models import Lease
 from db.store import Store
 from tests.test_service import _Server
 from tuner.key import Key, Problem
-from tuner.ladder import _died_here
-from tuner.lookup import EXACT, NEAREST, lookup
+from tuner.search.ladder import _died_here
+from tuner.runtime.lookup import EXACT, NEAREST, lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 # Six families (one of them two listed M): enough that every worker gets some.

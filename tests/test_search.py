@@ -6,8 +6,8 @@ from kernels import space
 from kernels.space import GemmConfig
 from db.store import Store
 from tuner.key import Key, Problem
-from tuner.model import ModelBackend
-from tuner.search import (
+from tuner.backends.model import ModelBackend
+from tuner.search.study import (
     LONG_KEY_MS, LONG_KEY_TRIALS, NEIGHBOUR_SHAPES, Budget, cluster_variants, hint_variant, model_picks,
     neighbour_variants, tile_k_variants, tune_key,
 )
@@ -33,7 +33,7 @@ class MeasuredBackend(ModelBackend):
 
 
 def test_model_picks_are_distinct_runnable_shapes_best_first():
-    from tuner.model import predict_ms
+    from tuner.backends.model import predict_ms
 
     for arch in ("sm90", "sm100"):
         key = Key(arch, "dev", Problem(512, 5376, 21504))
@@ -158,7 +158,7 @@ def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_pat
 
 
 def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(tmp_path):
-    from tuner.search import _wave_fit_configs
+    from tuner.search.study import _wave_fit_configs
 
     # 128x176 (down M = 512's wave-fit tile) on 1x1 clusters 40 % slower than
     # the model says, as its tiles straggled on an H100.
@@ -176,7 +176,7 @@ def test_the_wave_fit_tile_is_tried_under_neighbouring_clusters_when_it_trails(t
 
 
 def test_the_wave_fit_takes_exact_eighth_widths_and_pingpong_twins():
-    from tuner.search import _wave_fit_configs
+    from tuner.search.study import _wave_fit_configs
 
     def fits(m, n, k):
         return [(c.tile_m, c.tile_n) for c in _wave_fit_configs(Key("sm90", "dev", Problem(m, n, k)))]
@@ -195,7 +195,7 @@ def test_the_wave_fit_takes_exact_eighth_widths_and_pingpong_twins():
 
 
 def test_a_few_row_key_starts_from_swap_ab_seeds(tmp_path):
-    from tuner.search import swap_seeds
+    from tuner.search.study import swap_seeds
 
     backend = MeasuredBackend("sm90")
     key = Key("sm90", backend.device_name, Problem(4, 5376, 4096))
@@ -290,7 +290,7 @@ def test_first_picks_of_27b_o_at_512_try_the_wave_filling_width():
 
 
 def test_picks_try_stream_k_where_the_best_tiles_leave_a_partial_wave():
-    from tuner.model import predict_ms
+    from tuner.backends.model import predict_ms
 
     # 27B down at M = 2896: 128x224 tiles make 4.18 waves; stream-K cuts
     # the last 24 tiles into five slices each, on 120 of the 132 SMs.
@@ -322,7 +322,7 @@ def test_picks_take_pingpong_where_ctas_have_tiles_to_overlap():
 def test_pingpong_samples_draw_only_pingpong_tiles_and_never_split_k():
     import optuna
 
-    from tuner.search import _suggest
+    from tuner.search.study import _suggest
 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     drawn = [_suggest(study.ask(), "sm90") for _ in range(300)]
@@ -348,7 +348,7 @@ def test_model_ranks_every_tile_shape_before_clusters_and_schedulers():
 
 
 def test_warm_start_adds_the_wave_fit_tile(tmp_path):
-    from tuner.search import _warm_start
+    from tuner.search.study import _warm_start
 
     store = Store(str(tmp_path / "w.db"))
     try:
@@ -362,7 +362,7 @@ def test_warm_start_adds_the_wave_fit_tile(tmp_path):
 
 
 def test_sampled_tiles_are_the_buildable_ones_and_the_space_names_the_study():
-    from tuner.search import _choices, _env_tag
+    from tuner.search.study import _choices, _env_tag
 
     tiles = _choices("sm90")["tile"]
     assert "128x176" in tiles and "192x192" in tiles

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from db.store import Store
-from tuner.lookup import decide
+from tuner.runtime.lookup import decide
 
 TOKEN = "test-token"
 MODEL_DEVICE = "H100-model"
@@ -120,7 +120,7 @@ def test_without_a_ladder_the_map_spans_the_listed_m_only(client):
 
 
 def test_best_serves_the_family_map_by_the_rule_gemm_uses(tmp_path, monkeypatch):
-    from tuner import dispatch
+    from tuner.runtime import dispatch
     from tuner.key import Key, Problem
 
     (tmp_path / "s.txt").write_text("64,700 1536 1152 name=gemma3-1b.qkv\n")

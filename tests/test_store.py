@@ -5,7 +5,7 @@ import pytest
 from db.engine import resolve_url
 from db.store import Store
 from tuner.key import Key, Problem
-from tuner.lookup import EXACT, NEAREST, lookup
+from tuner.runtime.lookup import EXACT, NEAREST, lookup
 
 VERSIONS = {"torch": "2.13", "cutlass-dsl": "4.8.1"}
 

@@ -16,7 +16,7 @@ from kernels import compile as kc
 from kernels.space import GemmConfig
 from kernels.trace import FIELDS
 from tuner.key import Key, Problem
-from tuner.trace import Trace, group_rows, slots, summarise, write
+from tuner.observe.trace import Trace, group_rows, slots, summarise, write
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [
@@ -155,7 +155,7 @@ def test_traced_launch_records_every_tile_once(cfg, tiles, held):
     import torch
 
     from kernels.compile import device_arch
-    from tuner.trace import run
+    from tuner.observe.trace import run
 
     if device_arch(torch.cuda.current_device()) != cfg.arch:
         pytest.skip(f"needs an {cfg.arch} GPU")
@@ -195,7 +195,7 @@ def test_grouped_slots_cover_every_group_and_moe_rows_follow_the_routing():
 def test_traced_grouped_launch_records_every_tile_once(scheduler, problem):
     import torch
 
-    from tuner.trace import run
+    from tuner.observe.trace import run
 
     cfg = GemmConfig(scheduler=scheduler, tile_n=256, swizzle=4)
     key = Key("sm90", torch.cuda.get_device_name(), problem)

@@ -11,12 +11,10 @@ database driver) for the command line and the HTTP service.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 _EXPORTS = {
-    "gemm": "tuner.dispatch", "explain": "tuner.dispatch", "lookup": "tuner.lookup",
-    "patch": "tuner.patch", "unpatch": "tuner.patch", "patched": "tuner.patch", "check": "tuner.patch",
+    "gemm": "tuner.runtime.dispatch", "explain": "tuner.runtime.dispatch", "lookup": "tuner.runtime.lookup",
+    "patch": "tuner.runtime.patch", "unpatch": "tuner.runtime.patch", "patched": "tuner.runtime.patch", "check": "tuner.runtime.patch",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -28,16 +26,3 @@ def __getattr__(name: str):
     globals()[name] = value
     return value
 
-
-class _Package(types.ModuleType):
-    """Importing the submodule `tuner.lookup` binds the module to the package
-    attribute `lookup`, hiding the exported function of that name: bind the
-    function instead."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

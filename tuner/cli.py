@@ -56,10 +56,10 @@ def _backend(name: str, arch: str):
     if arch not in ARCHS:
         _fail(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if name == "model":
-        from tuner.model import ModelBackend
+        from tuner.backends.model import ModelBackend
 
         return ModelBackend(arch)
-    from tuner.gpu import GpuBackend, GpuUnavailable
+    from tuner.backends.gpu import GpuBackend, GpuUnavailable
 
     try:
         return GpuBackend(arch)
@@ -104,9 +104,9 @@ def tune(
 
     Every family of a shape file (--shapes), or of a model's linear layers
     (--model)."""
-    from tuner.ladder import owner_id, tune_families
-    from tuner.lookup import family_of
-    from tuner.search import Budget
+    from tuner.search.ladder import owner_id, tune_families
+    from tuner.runtime.lookup import family_of
+    from tuner.search.study import Budget
     from tuner.shapes import ShapeFileError, parse_shapes, parse_text, resolve
 
     if (shapes is None) == (model is None):
@@ -152,7 +152,7 @@ def tune(
 
     if worker_events:
         # A worker of `--devices`: its parent shows the progress.
-        from tuner.workers import Events
+        from tuner.search.workers import Events
 
         events = Events()
         events.emit("start", owner=owner_id(), device_name=bk.device_name, arch=arch)
@@ -189,10 +189,10 @@ def tune(
 
 
 def _tune_on_devices(devices: str, options: dict, as_json: bool) -> None:
-    """`tune --devices`: one worker process per GPU (`tuner.workers`), then
+    """`tune --devices`: one worker process per GPU (`tuner.search.workers`), then
     the maps they stored."""
     from db.engine import resolve_url
-    from tuner import workers
+    from tuner.search import workers
 
     try:
         visible = workers.parse_devices(devices)
@@ -276,8 +276,8 @@ def remap(
     `tune` keeps a current map as it is, so a map an earlier release built
     follows that release's rule until it is rebuilt here or measured again
     (`tune --revalidate`)."""
-    from tuner.ladder import remap as remap_maps
-    from tuner.lookup import family_id
+    from tuner.search.ladder import remap as remap_maps
+    from tuner.runtime.lookup import family_id
 
     # It rebuilds maps that exist: a mistyped path is an error, not a new
     # empty database (the reader's open refuses one).
@@ -317,7 +317,7 @@ def plot(
     db: Optional[str] = DbOption,
 ) -> None:
     """Draw a family's M map: time against M, the choice and cuBLAS."""
-    from tuner.plots import plot_family
+    from tuner.observe.plots import plot_family
 
     store = _open(db, writer=False)
     maps = [fm for fm in _family_maps(store, device=device) if fnmatch.fnmatchcase(fm.name, family)]
@@ -336,7 +336,7 @@ def export_(
     db: Optional[str] = DbOption,
 ) -> None:
     """Write every stored winner as JSON (a versioned export)."""
-    from service.schemas import EXPORT_FORMAT, EXPORT_VERSION
+    from tuner.records import EXPORT_FORMAT, EXPORT_VERSION
 
     store = _open(db, writer=False)
     text = json.dumps({"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "records": store.export()}, indent=1)
@@ -360,7 +360,7 @@ def import_(
 
     A stored winner is replaced only by a faster one. Every record is checked
     first: one bad record stores nothing."""
-    from service.schemas import RecordError, validate_records
+    from tuner.records import RecordError, validate_records
 
     try:
         records = validate_records(json.loads(source.read_bytes()))
@@ -419,7 +419,7 @@ def _m_values(text: str) -> list[int]:
 
 def _model_shapes(source: str, m: str) -> str:
     """The shape file text of a model's linear layers, or a one-line error naming the source."""
-    from tuner.linears import ModelSourceError, shapes_from_model
+    from tuner.runtime.linears import ModelSourceError, shapes_from_model
 
     m_values = _m_values(m)
     try:
@@ -465,7 +465,7 @@ def report(
     """Write an HTML report of the stored results.
 
     Speedups, schedulers, M maps, and the model against measurement."""
-    from tuner.report import write_report
+    from tuner.observe.report import write_report
 
     store = _open(db, writer=False)
     try:
@@ -492,8 +492,8 @@ def calibrate(
     """Fit the analytic model's constants to measured trials.
 
     The trials of one device; the fitted constants are stored."""
-    from tuner.calibration import calibrate as fit_device, devices, save
-    from tuner.model import calibration_path
+    from tuner.backends.calibration import calibrate as fit_device, devices, save
+    from tuner.backends.model import calibration_path
 
     store = _open(db, writer=False)
     found = devices(store)
@@ -571,7 +571,7 @@ def trace(
         if found is None or found.config is None:
             _fail(f"no kernel winner stored for {problem.label()} on {k.device}")
         cfg = GemmConfig.from_dict(found.config)
-    from tuner.trace import run, summarise, write
+    from tuner.observe.trace import run, summarise, write
 
     try:
         result = run(k, cfg)
@@ -588,7 +588,7 @@ def trace(
 
 
 def _print_calibration(cal) -> None:
-    from tuner.calibration import NOISE
+    from tuner.backends.calibration import NOISE
 
     console.print(f"{cal.device} ({cal.arch}): fitted on {len(cal.train_families)} families, "
                   f"scored on {len(cal.heldout_families)} held out", highlight=False)
@@ -656,7 +656,7 @@ def _add_columns(table: Table, columns: list[str], left: tuple[str, ...]) -> Non
 def _print_winners(rows, title: str) -> None:
     """One table a family (name and everything of the key but M), so that a
     row holds M, the winner and its times and fits 80 columns unfolded."""
-    from tuner.lookup import family_id
+    from tuner.runtime.lookup import family_id
 
     families: dict[tuple, list] = {}
     for w in rows:
@@ -699,7 +699,7 @@ class FamilyMap:
 def _family_maps(store, names: list[str] | None = None, **filters) -> list[FamilyMap]:
     """Stored M maps, one per family and device, named after their keys' name."""
     from db.store import FAMILY_FIELDS
-    from tuner.lookup import family_id
+    from tuner.runtime.lookup import family_id
 
     named = {}
     for w in store.winners(limit=1_000_000, **filters):
@@ -715,7 +715,7 @@ def _family_maps(store, names: list[str] | None = None, **filters) -> list[Famil
 
 
 def _print_maps(maps: list[FamilyMap], as_json: bool, title: str) -> None:
-    from tuner.lookup import BASELINE, speedup_at
+    from tuner.runtime.lookup import BASELINE, speedup_at
 
     if as_json:
         print(json.dumps([fm.to_json() for fm in maps], indent=1))

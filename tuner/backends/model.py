@@ -80,7 +80,7 @@ from kernels.space import (
     DTYPE_BYTES, GemmConfig, InvalidConfig, check_problem, epi_subtile_n, smem_bytes,
 )
 from tuner.key import Key, Problem
-from tuner.measure import Measurement
+from tuner.backends.measure import Measurement
 
 MODEL_VERSION = "5"
 
@@ -204,7 +204,7 @@ DEVICES = {"sm90": H100, "sm100": B200}
 CALIBRATION_ENV = "TUNER_CALIBRATION"
 CALIBRATION_FORMAT = "gemm-tuner-calibration"
 CALIBRATION_VERSION = 1
-_SHIPPED_CALIBRATION = Path(__file__).parent / "data" / "calibration.json"
+_SHIPPED_CALIBRATION = Path(__file__).parents[1] / "data" / "calibration.json"
 # The constants a calibration may set and the range it may set them in: the
 # rates and costs the datasheets do not state (sizes and peaks they do).
 CALIBRATION_BOUNDS = {

@@ -21,7 +21,7 @@ the shape breaks the pool's operand rules, no measurement covers the M,
 cuBLAS was measured fastest, or the choice is stale (measured under other
 software versions). Every fallback but a measured cuBLAS choice warns once
 per reason and key. With online tuning on (`configure(online=True)` or
-TUNER_ONLINE=1, `tuner.online`), an M no measurement covers is measured on its
+TUNER_ONLINE=1, `tuner.runtime.online`), an M no measurement covers is measured on its
 first call and the result stored.
 
 A decision is made once per key and kept in the process: later calls cost a
@@ -113,7 +113,7 @@ _state = _State()
 def configure(db: str | None = None, *, online: bool | None = None) -> None:
     """Read choices from `db` (URL or SQLite path; None: $TUNER_DB, else the
     default file) and forget every decision made so far. `online=True` measures
-    an M no interval covers on its first call (`tuner.online`); None leaves it
+    an M no interval covers on its first call (`tuner.runtime.online`); None leaves it
     to $TUNER_ONLINE."""
     with _state.lock:
         for store in (_state.store, _state.writer):
@@ -163,8 +163,8 @@ def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int) -> tuple
     measured, so the one span is every M, its saving unknown (infinite).
     Reads the store every time."""
     from tuner.key import Key, Problem
-    from tuner.lookup import Span
-    from tuner.lookup import kernel_spans as family_spans
+    from tuner.runtime.lookup import Span
+    from tuner.runtime.lookup import kernel_spans as family_spans
 
     din = _DTYPE_NAMES.get(dtype)
     if din not in DTYPES_IN:
@@ -334,7 +334,7 @@ def _choose(key, measure=None) -> tuple[Explanation, object]:
     tuning) an M no measured interval covers is measured now. Returns the
     explanation and, on the kernel path, the config."""
     from kernels.space import GemmConfig, check_problem
-    from tuner.lookup import RANGE, lookup
+    from tuner.runtime.lookup import RANGE, lookup
 
     from kernels.grouped import MAX_GROUPS
 
@@ -347,7 +347,7 @@ def _choose(key, measure=None) -> tuple[Explanation, object]:
     current = _versions(key.device)
     found = lookup(store, key)
     if found is None and measure is not None:
-        from tuner import online
+        from tuner.runtime import online
 
         found = online.tune(_writer(), key, measure, "gpu", current)
         if found is None:
@@ -397,7 +397,7 @@ def _db_where() -> str:
 
 def _online() -> bool:
     if _state.online is None:
-        from tuner.online import enabled_by_env
+        from tuner.runtime.online import enabled_by_env
 
         return enabled_by_env()
     return _state.online
@@ -416,10 +416,10 @@ def _writer():
 def _live_measure(a, b, offs, layout, din, dout) -> Callable:
     """Online tuning's `measure` on this call's operands: each kernel is checked
     against cuBLAS's result first (a wrong one is left out), then all are
-    timed interleaved (`tuner.online.time_interleaved`)."""
+    timed interleaved (`tuner.runtime.online.time_interleaved`)."""
     from kernels.compile import get_kernel
-    from tuner._gpu_worker import REL_ERR_LIMIT, rel_error
-    from tuner.online import time_interleaved
+    from tuner.backends.gpu_worker import REL_ERR_LIMIT, rel_error
+    from tuner.runtime.online import time_interleaved
 
     dtype_out = {v: k for k, v in _DTYPE_NAMES.items()}[dout]
     scratch = torch.empty((a.shape[0], b.shape[-1]), dtype=dtype_out, device=a.device)
@@ -470,7 +470,7 @@ def _store():
 
 @functools.cache
 def _versions(device_name: str) -> dict[str, str]:
-    from tuner._gpu_worker import versions
+    from tuner.backends.gpu_worker import versions
 
     return versions(device_name)
 

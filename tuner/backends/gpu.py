@@ -1,6 +1,6 @@
 """The `gpu` backend: time kernels of the pool and cuBLAS on the local GPU.
 
-Every measurement runs in a worker process (`tuner._gpu_worker`) that owns the
+Every measurement runs in a worker process (`tuner.backends.gpu_worker`) that owns the
 CUDA context. A kernel that faults poisons that context and a kernel that
 hangs never returns, so this side never touches CUDA: it sends JSON requests,
 waits at most `timeout_s` for each reply, and on a crash, a lost context or a
@@ -9,12 +9,12 @@ one for the next request. The tuning run goes on.
 
 The worker checks a config once per (config, problem) against an fp32
 reference (relative Frobenius error, limit 2e-2 for 16-bit inputs: see
-`tuner._gpu_worker.REL_ERR_LIMIT`), then times it: warm-up, a CUDA graph of
+`tuner.backends.gpu_worker.REL_ERR_LIMIT`), then times it: warm-up, a CUDA graph of
 back-to-back launches replayed many times (CUDA events around plain launches
 when a launcher cannot be captured), operands rotated through buffer sets
 twice the size of L2 so that every launch reads from DRAM, median per launch.
 With `problem.carveout` set, a spinning kernel holds that many SMs while the
-timed replays run (`tuner.carveout`).
+timed replays run (`tuner.backends.carveout`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 
 from kernels.grouped import MAX_GROUPS
 from kernels.space import TILE_K, GemmConfig, InvalidConfig, check_problem
-from tuner._gpu_worker import CUBLAS_LOOP
+from tuner.backends.gpu_worker import CUBLAS_LOOP
 from tuner.key import Key, Problem
-from tuner.measure import Measurement
+from tuner.backends.measure import Measurement
 
 # A request's reply must come within this many seconds (compile + check +
 # timing of one config take a few seconds; a hung kernel never replies).
@@ -216,12 +216,12 @@ class WorkerProcess:
 
 
 def worker_argv(device_index: int) -> list[str]:
-    return [sys.executable, "-m", "tuner._gpu_worker", "--device", str(device_index)]
+    return [sys.executable, "-m", "tuner.backends.gpu_worker", "--device", str(device_index)]
 
 
 def _worker_env() -> dict[str, str]:
     # The worker imports this project as the parent does, installed or not.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
@@ -301,7 +301,7 @@ class GpuBackend:
                   rounds: int | None = None, *, cold: bool = False) -> list[Measurement]:
         """Time `cfgs` (None = cuBLAS, CUBLAS_LOOP = cuBLAS per group) round robin,
         `rounds` replays each; medians. `cold`: one call per replay after an L2
-        flush (`tuner._gpu_worker._Timer`)."""
+        flush (`tuner.backends.gpu_worker._Timer`)."""
         rounds = rounds or (COLD_ROUNDS if cold else REMEASURE_ROUNDS)
         refusals = [self._refuse(key, cfg) for cfg in cfgs]
         runnable = [i for i, r in enumerate(refusals) if not r]

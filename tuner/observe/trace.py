@@ -42,7 +42,7 @@ def group_rows(key: Key, cfg: GemmConfig) -> list[int]:
     """Output rows of each group of the launch (the groups of the records):
     a dense key's K slices, seed 000's problems, or the MoE groups as the
     gpu backend routes them."""
-    from tuner._gpu_worker import group_bounds
+    from tuner.backends.gpu_worker import group_bounds
 
     p = key.problem
     if p.groups == 1:
@@ -68,8 +68,8 @@ def run(key: Key, cfg: GemmConfig, *, seed: int = 0) -> Trace:
     import torch
 
     from kernels.compile import get_kernel
-    from tuner._gpu_worker import _make_operands, grouped_form
-    from tuner.carveout import hold_sms
+    from tuner.backends.gpu_worker import _make_operands, grouped_form
+    from tuner.backends.carveout import hold_sms
 
     p = key.problem
     if not p.runs(cfg):

@@ -1,7 +1,7 @@
 """Calibration of the analytic model to a device's measured trials.
 
 The datasheets leave some of the model's rates and costs to estimate
-(`tuner.model.CALIBRATION_BOUNDS`). `calibrate` fits those to the trials a
+(`tuner.backends.model.CALIBRATION_BOUNDS`). `calibrate` fits those to the trials a
 database holds for one device, using a fixed part of the device's families
 (a family is a key without M: its keys share shapes, so holding out whole
 families keeps near-copies of the held-out keys out of the fit), and scores
@@ -54,7 +54,7 @@ import numpy as np
 
 from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
-from tuner.model import (
+from tuner.backends.model import (
     CALIBRATION_BOUNDS, CALIBRATION_FORMAT, CALIBRATION_VERSION, DEVICES, MODEL_VERSION, DeviceModel,
     baseline_ms, predict_ms, read_calibrations,
 )

@@ -46,9 +46,9 @@ from typing import Callable, Sequence
 from db.store import Store
 from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
-from tuner.lookup import BASELINE, family_id, family_of
-from tuner.measure import Backend, slow_spell
-from tuner.search import (
+from tuner.runtime.lookup import BASELINE, family_id, family_of
+from tuner.backends.measure import Backend, slow_spell
+from tuner.search.study import (
     Budget, Outcome, compile_ahead, drawable, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
 )
 
@@ -69,7 +69,7 @@ REFINE_ROUNDS = 4
 # cuBLAS at either is under THIN_MARGIN and they lie more than DENSE_RATIO apart.
 THIN_MARGIN = 1.04
 DENSE_RATIO = 1.05
-# A validation point measured in a slow spell (`tuner.measure.slow_spell`)
+# A validation point measured in a slow spell (`tuner.backends.measure.slow_spell`)
 # is measured again, up to STEADY_TRIES times, keeping the round whose
 # cuBLAS ran fastest.
 STEADY_TRIES = 2

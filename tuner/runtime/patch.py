@@ -78,8 +78,8 @@ from torch.nn.modules.module import (
     _global_backward_hooks, _global_backward_pre_hooks, _global_forward_hooks, _global_forward_pre_hooks,
 )
 
-from tuner import dispatch
-from tuner.measure import gc_paused, paired_speedup, trimmed_mean
+from tuner.runtime import dispatch
+from tuner.backends.measure import gc_paused, paired_speedup, trimmed_mean
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # Looked up once: every patched call asks one (TorchDynamo knows the

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tuner.calibration import predictions, samples, spearman
-from tuner.model import device_model
-from tuner.plots import plot_family
+from tuner.backends.calibration import predictions, samples, spearman
+from tuner.backends.model import device_model
+from tuner.observe.plots import plot_family
 
 # Rows of one bar chart before the keys are split over several pictures.
 ROWS_PER_FIGURE = 60

@@ -1,7 +1,7 @@
 """The GPU measurement worker: one process, one CUDA context, JSON lines over pipes.
 
 A kernel that faults poisons the CUDA context of its process, so measurements
-run here and not in the tuner. The parent (`tuner.gpu`) writes one request per
+run here and not in the tuner. The parent (`tuner.backends.gpu`) writes one request per
 line to stdin and reads one reply per line; a reply with `fatal` set means the
 context is gone and the worker exits after sending it. Anything else printed
 (compilers, warnings) goes to stderr: stdout carries the protocol only.
@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from tuner.measure import trimmed_mean
+from tuner.backends.measure import trimmed_mean
 
 # A 16-bit-input GEMM accumulated in fp32 and rounded to a 16-bit output lands
 # near 1e-3..1e-2 relative Frobenius error against an fp32 reference (bf16
@@ -423,7 +423,7 @@ def _held(p: dict):
 
     if not p.get("carveout"):
         return nullcontext({})
-    from tuner.carveout import hold_sms
+    from tuner.backends.carveout import hold_sms
 
     return hold_sms(p["carveout"])
 
@@ -555,7 +555,7 @@ def _hold_lapse(hold: dict, p: dict) -> str | None:
     """Why the SM hold did not cover the timed replays, or None."""
     if not p.get("carveout"):
         return None
-    from tuner.carveout import SM_REGISTERS
+    from tuner.backends.carveout import SM_REGISTERS
 
     if hold["resident"] != p["carveout"] or hold["expired"]:
         return (f"SM hold failed: {hold['resident']} of {p['carveout']} spinning CTAs resident, "

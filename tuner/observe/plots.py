@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tuner.lookup import BASELINE
+from tuner.runtime.lookup import BASELINE
 
 
 def plot_family(fm, output: Path) -> None:

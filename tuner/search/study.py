@@ -24,7 +24,7 @@ from db.store import Store, TrialView, WinnerView
 from kernels import space
 from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
-from tuner.measure import Backend
+from tuner.backends.measure import Backend
 
 BASELINE = "cublas"
 # Nearest tuned keys whose winners seed a new study.
@@ -539,7 +539,7 @@ def swap_seeds(key: Key, split: bool = False) -> list[GemmConfig]:
     SM left without a tile streams nothing (Mistral-NeMo's k and v, N =
     1024: 16 tiles of 64 rows; cuBLAS ahead of every whole-K tile at M = 1
     to 37 on the H100)."""
-    from tuner.model import DEVICES
+    from tuner.backends.model import DEVICES
 
     p = key.problem
     if p.m > SWAP_SEED_MAX_M:
@@ -579,7 +579,7 @@ def _wave_fit_configs(key: Key) -> list[GemmConfig]:
     M = 512: 128x168 2x1 1.009x cuBLAS, 128x176 0.979x). Each comes with
     pingpong consumers too where they hold its accumulators.
     """
-    from tuner.model import DEVICES, wave_fit
+    from tuner.backends.model import DEVICES, wave_fit
 
     p = key.problem
     sms = DEVICES[key.arch].sms
@@ -658,7 +658,7 @@ def _scored(key: Key, combos) -> list[tuple[float, GemmConfig]]:
     """(predicted ms, config) of every (scheduler, (tile, split_k, cta_group,
     consumer, swap_ab), cluster) that runs `key`, at its deepest pipeline,
     fastest first."""
-    from tuner.model import predict_ms
+    from tuner.backends.model import predict_ms
 
     scored: list[tuple[float, GemmConfig]] = []
     for sched, (tile, split_k, cta_group, consumer, swap), cluster in combos:

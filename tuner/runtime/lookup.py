@@ -3,7 +3,7 @@
 A family is a key without M (arch, device, dtypes, layout, N, K, groups).
 `tuner tune` measures each family over a ladder of M and stores an M map:
 intervals of M, each with a choice (a pool config or cuBLAS) and the
-interleaved measurements behind it (`tuner.ladder`). For a key of M = m:
+interleaved measurements behind it (`tuner.search.ladder`). For a key of M = m:
 
 1. the map interval that covers m gives the choice: a kernel holds there
    because it was measured at least as fast as cuBLAS at both ends;
@@ -11,7 +11,7 @@ interleaved measurements behind it (`tuner.ladder`). For a key of M = m:
    tuned at m, else the winner of the nearest tuned M t, but only where m
    lies in t's own interval [t / sqrt 2, t * sqrt 2] (the span a ladder rung
    owns between neighbours twice as far);
-3. otherwise there is no choice: cuBLAS runs (or, opted in, `tuner.online`
+3. otherwise there is no choice: cuBLAS runs (or, opted in, `tuner.runtime.online`
    measures this M).
 """
 

@@ -1,5 +1,5 @@
 """Online tuning, opt in (PyTorch TunableOp's convention): `TUNER_ONLINE=1` or
-`tuner.dispatch.configure(online=True)`.
+`tuner.runtime.dispatch.configure(online=True)`.
 
 The first `gemm` call at an M that no measured interval of its family's M map
 covers measures, on the live device and the caller's own operands, cuBLAS
@@ -9,7 +9,7 @@ not yet in the compile cache is built first, which takes longer). The
 fastest runs at once and is stored as a one-M range of the map with its
 measurements and source "online", so later processes use it without
 measuring. A measurement taken in a slow spell of the GPU (its cuBLAS call
-`tuner.measure.slow_spell` against one stored for a larger M of the family)
+`tuner.backends.measure.slow_spell` against one stored for a larger M of the family)
 decides nothing: the call runs cuBLAS and a later process measures again.
 Never during CUDA graph capture or torch.compile tracing (the
 dispatcher does not reach this module then); off by default, so the default
@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 from db.store import Store
 from kernels.space import GemmConfig
 from tuner.key import Key
-from tuner.lookup import BASELINE, Decision, decide, family_of
-from tuner.measure import slow_spell
+from tuner.runtime.lookup import BASELINE, Decision, decide, family_of
+from tuner.backends.measure import slow_spell
 
 ENV_VAR = "TUNER_ONLINE"
 # Time one new M may spend measuring, launches included.
