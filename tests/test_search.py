@@ -257,7 +257,7 @@ def test_a_key_whose_cublas_call_is_long_samples_more_trials(tmp_path):
         key = Key("sm90", backend.device_name, problem)
         assert (backend.baseline(key).ms >= LONG_KEY_MS) is long
         totals = []
-        w = tune_key(key, backend, store, Budget(trials=7), on_trial=lambda n, total: totals.append(total)).winner
+        w = tune_key(key, backend, store, Budget(trials=7), on_trial=lambda tick: totals.append(tick.total)).winner
         want = round(7 * LONG_KEY_TRIALS) if long else 7
         assert set(totals) == {want} and w.trials == want
     # A key measuring only its seeds (a ladder rung) keeps its budget however long.

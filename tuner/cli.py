@@ -158,7 +158,7 @@ def tune(
         events.emit("start", owner=owner_id(), device_name=bk.device_name, arch=arch)
 
         def on_event_rung(key: Key, listed: bool):
-            return lambda done, total: events.emit("rung", label=label(key), listed=listed, done=done, total=total)
+            return lambda tick: events.emit("rung", label=label(key), listed=listed, done=tick.done, total=tick.total)
 
         tune_families(work, bk, store, budget, ladder=ladder, force=force, revalidate=revalidate,
                       lease_ttl_s=lease_ttl, on_rung=on_event_rung,
@@ -171,8 +171,8 @@ def tune(
         def on_rung(key: Key, listed: bool):
             task = progress.add_task(label(key) + ("" if listed else " (rung)"), total=None)
 
-            def advance(done: int, total: int) -> None:
-                progress.update(task, completed=done, total=total)
+            def advance(tick) -> None:
+                progress.update(task, completed=tick.done, total=tick.total)
             return advance
 
         def on_family(name: str, state: str, outcome) -> None:

@@ -49,7 +49,7 @@ from tuner.key import Key
 from tuner.runtime.lookup import BASELINE, family_id, family_of
 from tuner.backends.measure import Backend, slow_spell
 from tuner.search.study import (
-    Budget, Outcome, compile_ahead, drawable, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
+    Budget, Outcome, Tick, compile_ahead, drawable, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
 )
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
@@ -109,7 +109,7 @@ def probes(lo: int, hi: int) -> list[int]:
 def tune_family(
     keys: Sequence[Key], backend: Backend, store: Store, budget: Budget, *, name: str = "",
     ladder: bool = True, force: bool = False, revalidate: bool = False,
-    on_rung: Callable[[Key, bool], Callable[[int, int], None] | None] | None = None,
+    on_rung: Callable[[Key, bool], Callable[[Tick], None] | None] | None = None,
 ) -> FamilyOutcome:
     """Tune the keys of one family (listed M values) and, with `ladder`, the
     rungs between them; then validate and store the family's M map (again
@@ -232,7 +232,7 @@ class LeaseLost(RuntimeError):
 def tune_families(
     families: Sequence[tuple[str, Sequence[Key]]], backend: Backend, store: Store, budget: Budget, *,
     ladder: bool = True, force: bool = False, revalidate: bool = False, lease_ttl_s: float | None = None,
-    on_rung: Callable[[Key, bool], Callable[[int, int], None] | None] | None = None,
+    on_rung: Callable[[Key, bool], Callable[[Tick], None] | None] | None = None,
     on_family: Callable[[str, str, FamilyOutcome | None], None] | None = None,
 ) -> None:
     """`tune_family` for each (name, keys) family, shared with every other
@@ -328,11 +328,11 @@ class _Heartbeat:
         def per_rung(key: Key, listed: bool):
             inner = on_rung(key, listed) if on_rung else None
 
-            def tick(done: int, total: int) -> None:
+            def tick(progress: Tick) -> None:
                 if self.lost:
                     raise LeaseLost(key.study_name())
                 if inner:
-                    inner(done, total)
+                    inner(progress)
             return tick
         return per_rung
 

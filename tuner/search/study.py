@@ -90,6 +90,16 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Tick:
+    """A key's progress, as `on_trial` hears it: trials done of `total`, and
+    the best verified config's speedup over cuBLAS so far (None before one)."""
+
+    done: int
+    total: int
+    best_speedup: float | None = None
+
+
+@dataclass(frozen=True)
 class Outcome:
     key: Key
     winner: WinnerView
@@ -102,7 +112,7 @@ class _Failed(Exception):
 
 def tune_key(
     key: Key, backend: Backend, store: Store, budget: Budget, *, name: str = "",
-    force: bool = False, on_trial: Callable[[int, int], None] | None = None,
+    force: bool = False, on_trial: Callable[[Tick], None] | None = None,
     seeds: Sequence[GemmConfig] = (), explore: bool = True, variants: bool = True,
 ) -> Outcome:
     """Search the pool for `key`, store and return the winner.
@@ -122,7 +132,7 @@ def tune_key(
     current = store.winner(key_dict)
     if current is not None and not current.stale(versions) and not force:
         if on_trial:
-            on_trial(current.trials, current.trials)
+            on_trial(Tick(current.trials, current.trials, current.speedup))
         return Outcome(key, current, skipped=True)
 
     measured = {t.config_name: t for t in store.trials(key_id, env_id)}
@@ -141,6 +151,10 @@ def tune_key(
                 m.ok, m.ms, m.error,
             )
         return measured[config_name]
+
+    def best_speedup() -> float | None:
+        times = [t.ms for name, t in measured.items() if t.ok and name != BASELINE]
+        return baseline.ms / min(times) if times else None
 
     baseline = measure(None)
     if not baseline.ok:
@@ -212,7 +226,7 @@ def tune_key(
         nonlocal count
         count += trial.state in finished
         if on_trial:
-            on_trial(min(count, trials), trials)
+            on_trial(Tick(min(count, trials), trials, best_speedup()))
         if count >= trials or budget.seconds and time.monotonic() - started > budget.seconds:
             study_.stop()
 
@@ -223,7 +237,7 @@ def tune_key(
             catch=(_Failed,), callbacks=[stop_when_spent],
         )
     if on_trial:
-        on_trial(trials, trials)
+        on_trial(Tick(trials, trials, best_speedup()))
 
     # Every verified trial of the key competes, whichever process measured it.
     measured.update((t.config_name, t) for t in store.trials(key_id, env_id))
