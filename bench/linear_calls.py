@@ -40,7 +40,7 @@ import time
 import torch
 from torch import nn
 
-from bench.host_path import timed_in_place
+from bench.probes.host_path import timed_in_place
 from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner.runtime.linears import build_model

@@ -2,18 +2,18 @@
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section ComputeWorkloadAnalysis --section WarpStateStats \
-        python -m bench.key_profile 512 5376 4096 sm90-static_persistent-t128x176-c1x1-s5-w4m
+        python -m bench.probes.key_profile 512 5376 4096 sm90-static_persistent-t128x176-c1x1-s5-w4m
 
 Arguments: M, N, K (bf16 in and out, B an nn.Linear weight) and a config
 name (`GemmConfig.name`) or ``cublas``. Two launches run inside the profiler
-range after five warm-up launches (`bench.seed000_profile.profiled`).
+range after five warm-up launches (`bench.probes.seed000_profile.profiled`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench.seed000_profile import profiled
+from bench.probes.seed000_profile import profiled
 from kernels.space import GemmConfig
 from tuner.backends.gpu import problem_to_json
 from tuner.key import Problem

@@ -1,6 +1,6 @@
 """Host time of `gemm`'s registered op inside a compiled forward against a loop.
 
-    TUNER_DB=DB python -m bench.compiled_op_host
+    TUNER_DB=DB python -m bench.probes.compiled_op_host
 
 A compiled graph run from Python calls `gemm_tuner::gemm` from its wrapper
 code. This times, on a (1, 2048) x (2048, 128256) bf16 product (SmolLM3

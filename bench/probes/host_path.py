@@ -1,7 +1,7 @@
 """Where an eager linear call's host time goes: a patched layer's kernel path
 against `F.linear`, per call, on the layers of models patched from a database.
 
-    python -m bench.host_path --db DB [--models llama-3.1-8b,gemma-3-27b,qwen2.5-7b]
+    python -m bench.probes.host_path --db DB [--models llama-3.1-8b,gemma-3-27b,qwen2.5-7b]
                               [--layers 2] [--batches 30] [--steps 150] [--out bench/results]
 
 Each model is built from its shipped config (two decoder layers, random bf16

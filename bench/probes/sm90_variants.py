@@ -1,6 +1,6 @@
 """Time a fixed set of sm90 pool variants against cuBLAS on the Gemma 3 27B keys.
 
-    python -m bench.sm90_variants [--m 128,512,2048,8192] [--configs NAME,...] [--cold] [--out FILE]
+    python -m bench.probes.sm90_variants [--m 128,512,2048,8192] [--configs NAME,...] [--cold] [--out FILE]
 
 No search: every key times the same hand-picked variants (whole-K tiles,
 in-kernel split-K and the stream-K scheduler on the same tiles), interleaved with cuBLAS through `GpuBackend.remeasure`

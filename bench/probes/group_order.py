@@ -1,6 +1,6 @@
 """Heavy and light MoE groups merged vs plain group order, on the skewed 64-expert keys.
 
-    python -m bench.group_order [--out bench/results]
+    python -m bench.probes.group_order [--out bench/results]
 
 `kernels.grouped` merges the tiles of heavy groups (B reused from L2, bound
 by the tensor cores) with those of light ones (B streamed from DRAM). This
@@ -80,7 +80,7 @@ def run(out_dir: Path) -> list[dict]:
     records = []
     for order in ORDERS:
         # One process per order: compiled kernels stay loaded for the life of a process.
-        child = subprocess.run([sys.executable, "-m", "bench.group_order", "--child", order],
+        child = subprocess.run([sys.executable, "-m", "bench.probes.group_order", "--child", order],
                                check=True, capture_output=True, text=True)
         records += json.loads(child.stdout)
     device = torch.cuda.get_device_name()

@@ -1,7 +1,7 @@
 """One eager decode step of a model, patched and unpatched, side by side:
 what a patched layer changes where no kernel of ours runs.
 
-    python -m bench.decode_step DB [MODEL] [BATCH]     # default llama-3.1-8b, 1
+    python -m bench.probes.decode_step DB [MODEL] [BATCH]     # default llama-3.1-8b, 1
 
 The model (`transformers`, shipped config, two decoder layers, random bf16
 weights) in more copies: `patched` (`tuner.patch` on DB, as a user runs

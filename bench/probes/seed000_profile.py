@@ -1,7 +1,7 @@
 """One seed 000 launch for a profiler: the K = 32768 problem of `bench.grouped`.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
-        python -m bench.seed000_profile dynamic_persistent 128 2 1
+        python -m bench.probes.seed000_profile dynamic_persistent 128 2 1
 
 Arguments: scheduler (or ``cublas`` for the per-group loop), tile_n, cluster_m,
 cluster_n, and optionally K. Two launches run inside the profiler range after

@@ -2,12 +2,12 @@
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum \
-        python -m bench.moe_profile merged
+        python -m bench.probes.moe_profile merged
 
 For the N = 7168, K = 2048 key of `bench.grouped` (skewed routing; with
 ``merged`` also the balanced one), one launch inside the profiler range per
 config after three warm-up launches. ``group`` builds the kernels in plain
-group order (`bench.group_order.plain_group_order`). The reports
+group order (`bench.probes.group_order.plain_group_order`). The reports
 `bench/results/logs/ncu/ncu-moe-*.txt` came from this script.
 """
 
@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench.group_order import ORDERS, plain_group_order
+from bench.probes.group_order import ORDERS, plain_group_order
 from bench.grouped import _cfg
 from tuner.backends.gpu_worker import DEFAULT_GROUP_SKEW, group_bounds
 
