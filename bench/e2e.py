@@ -99,7 +99,7 @@ from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner import check, unpatch
 from tuner.runtime import dispatch
-from tuner.runtime import patch
+from tuner import patch
 from tuner.runtime.linears import build_model, linear_shapes
 from tuner.backends.measure import gc_paused, paired_speedup, trimmed_mean
 from tuner.runtime.patch import PatchWarning, TunedLinear, host_costs

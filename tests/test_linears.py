@@ -150,7 +150,7 @@ def test_tune_model_tunes_every_linear_shape_in_one_step(tmp_path):
                 "--db", str(db))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = _cli("show", "--json", "--db", str(db))
-    winners = json.loads(proc.stdout)
+    winners = json.loads(proc.stdout)["items"]
     assert {(w["key"]["m"], w["key"]["n"], w["key"]["k"]) for w in winners} == {
         (16, 512, 512), (16, 128, 512), (16, 1024, 512), (16, 512, 1024), (16, 2048, 512)}
     assert _cli("tune", "--db", str(db)).returncode == 2
@@ -228,7 +228,7 @@ def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch
 
     from bench.e2e import _patch_like
     from tuner.runtime import dispatch
-    from tuner.runtime import patch
+    from tuner import patch
     from tuner.runtime.lookup import Span
 
     patch_module = importlib.import_module("tuner.runtime.patch")
@@ -270,7 +270,7 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
 
     from bench.e2e import _swap
     from tuner.runtime import dispatch
-    from tuner.runtime import patch
+    from tuner import patch
     from tuner.runtime.lookup import Span
 
     patch_module = importlib.import_module("tuner.runtime.patch")
@@ -305,7 +305,7 @@ def test_the_e2e_eager_roles_run_one_model_as_each_variant_and_trade_them(monkey
 
     from bench.e2e import _roles, _swap
     from tuner.runtime import dispatch
-    from tuner.runtime import patch
+    from tuner import patch
     from tuner.runtime.lookup import Span
 
     patch_module = importlib.import_module("tuner.runtime.patch")

@@ -15,7 +15,7 @@ from db.store import Store
 from kernels import space
 from tuner import check, patched, unpatch
 from tuner.runtime import dispatch
-from tuner.runtime import patch
+from tuner import patch
 from tuner.backends.gpu_worker import versions
 from tuner.key import Key, Problem
 from tuner.runtime.lookup import Span, kernel_spans
