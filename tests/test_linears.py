@@ -333,7 +333,7 @@ def test_the_e2e_eager_roles_run_one_model_as_each_variant_and_trade_them(monkey
 
 
 def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():
-    from bench.patch_overhead import _set
+    from bench.probes.patch_overhead import _set
     from tuner.runtime.patch import TunedLinear
 
     net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8), nn.Linear(8, 4, bias=False))
@@ -346,9 +346,9 @@ def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():
 
 
 def test_linear_calls_variants_compute_what_nn_linear_does_and_the_timers_come_off():
-    """bench.linear_calls compares classes of the same layer: each must make
+    """bench.probes.linear_calls compares classes of the same layer: each must make
     the same product, and its per-type timers must leave every call as it was."""
-    from bench.linear_calls import VARIANTS, _per_type
+    from bench.probes.linear_calls import VARIANTS, _per_type
     from tuner.runtime.patch import TunedLinear
 
     layer = nn.Linear(8, 16)
@@ -409,7 +409,7 @@ def test_the_e2e_summary_calls_a_case_slower_only_past_its_noise():
      "expected NxK=CONFIG_NAME"),
 ])
 def test_the_e2e_profile_names_bad_arguments(args, message):
-    proc = subprocess.run([sys.executable, "-m", "bench.e2e_profile", "--model", "gemma-3-27b", *args],
+    proc = subprocess.run([sys.executable, "-m", "bench.probes.e2e_profile", "--model", "gemma-3-27b", *args],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
@@ -419,7 +419,7 @@ def test_the_e2e_profile_names_bad_arguments(args, message):
     ("1x512,4x1024", "--prefill takes one batch x seq"),
 ])
 def test_patch_overhead_names_a_bad_prefill(prefill, message):
-    proc = subprocess.run([sys.executable, "-m", "bench.patch_overhead", "--prefill", prefill],
+    proc = subprocess.run([sys.executable, "-m", "bench.probes.patch_overhead", "--prefill", prefill],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from tuner.runtime import dispatch
-from tuner.runtime import patch
+from tuner import patch
 from tuner.runtime.linears import build_model
 from tuner.backends.measure import gc_paused
 from tuner.runtime.patch import TunedLinear

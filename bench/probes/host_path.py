@@ -53,7 +53,7 @@ from bench.record import save
 from kernels import compile as kernels_compile
 from tuner import unpatch
 from tuner.runtime import dispatch
-from tuner.runtime import patch
+from tuner import patch
 from tuner.runtime.linears import build_model
 from tuner.backends.measure import gc_paused
 from tuner.runtime.patch import TunedLinear, host_costs, host_us_per_call

@@ -34,7 +34,7 @@ unpatched layer does, after one comparison of the input's size (or, inside
 the bounds, a lookup of it). A call with no hooks to run (the layer's or
 global), outside the JIT tracer, skips `nn.Module.__call__`: the layer's own
 `__call__` makes that comparison and calls `F.linear` from one Python frame,
-where `nn.Linear`'s call runs five (`bench.linear_calls`). Inside its
+where `nn.Linear`'s call runs five (`bench.probes.linear_calls`). Inside its
 intervals a call goes to `gemm` (which still falls back to cuBLAS where it
 must) and the bias is added after. Once `gemm` has chosen a kernel for an
 M, the layer keeps its runner and calls it directly, skipping every check
@@ -100,7 +100,7 @@ _host_costs: dict[int, tuple[float, float]] = {}
 _GATHER_MAX_BYTES = 256 << 10
 # A compiled graph run from Python calls the registered op from its wrapper
 # code; inside a forward that call's host cost is several times what
-# `_measure_host_costs` times in a loop (`bench.compiled_op_host`:
+# `_measure_host_costs` times in a loop (`bench.probes.compiled_op_host`:
 # `dispatch`'s path took 56.4 us a call in a compiled SmolLM3 decode step,
 # `gemm` 14.3 us in a loop; in `bench.e2e` a kernel whose calls ran 1.12x
 # cuBLAS's left those compiled forwards at 0.943-0.971). So a compiled
@@ -144,13 +144,13 @@ class TunedLinear(nn.Linear):
     # The least and largest M of both kinds of interval, times in_features
     # (bounds on the input's numel): most calls fall outside, and in a forward
     # that waits on the host every call's Python counts
-    # (bench.patch_overhead), so one comparison turns them away.
+    # (bench.probes.patch_overhead), so one comparison turns them away.
     _tuner_bounds: tuple[int, int] = (1, 0)
     _tuner_spans: tuple[tuple[int, int], ...] = ()
     _tuner_compiled_spans: tuple[tuple[int, int], ...] = ()
     # Input numel -> whether an eager call of that size takes the kernel
     # path, filled as sizes come: inside a forward a call's Python costs
-    # about twice what it does in a loop (bench.host_path), and an interval
+    # about twice what it does in a loop (bench.probes.host_path), and an interval
     # test walks every interval.
     _tuner_eager: dict[int, bool]
     # M intervals (within the others) where a strided input is gathered for
@@ -239,7 +239,7 @@ class TunedLinear(nn.Linear):
         # `self.weight` is found by nn.Module.__getattr__ after the instance
         # lookup fails: reading the parameters' dict skips that, which pays
         # for the test above in a loop (on the CI host such a call took 0.7 us
-        # less than nn.Linear's; bench.decode_step counts the calls).
+        # less than nn.Linear's; bench.probes.decode_step counts the calls).
         p = self._parameters
         return F.linear(input, p["weight"], p["bias"])
 
@@ -291,7 +291,7 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     the model runs eager only, so no interval is kept for compiled graphs
     and a layer without an eager one stays an `nn.Linear` (eager decode
     steps whose patched layers all ran `F.linear` measured up to 0.4 %
-    slower than unpatched ones: README, "End to end"). Patching a patched
+    slower than unpatched ones in `bench.e2e`). Patching a patched
     model reads the database again. Warns (`PatchWarning`) when no layer
     qualifies, and names the shapes nothing is tuned for."""
     layers, biased = [], False

@@ -2,7 +2,7 @@
 model whose linear layers are `TunedLinear` with intervals the forward never
 falls in, against the same model unpatched.
 
-    python -m bench.patch_overhead [--model qwen2.5-7b] [--layers 2] [--prefill 1x512]
+    python -m bench.probes.patch_overhead [--model qwen2.5-7b] [--layers 2] [--prefill 1x512]
                                    [--rounds 300] [--db DB] [--compiled] [--out bench/results]
 
 Two copies of the model (`transformers`, shipped config, random bf16
@@ -46,7 +46,7 @@ from tuner.runtime.linears import build_model
 from tuner.backends.measure import paired_speedup
 from tuner import unpatch
 from tuner.runtime import dispatch
-from tuner.runtime import patch
+from tuner import patch
 from tuner.runtime.patch import TunedLinear
 
 _NOWHERE = ((1 << 30, 1 << 30),)  # an interval no forward of this bench reaches

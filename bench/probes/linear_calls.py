@@ -1,7 +1,7 @@
 """What a patched layer's call costs a whole eager decode step: the model's
 linear layers are given, step by step, the class of each variant.
 
-    python -m bench.linear_calls [--models llama-3.1-8b,qwen2.5-7b,gemma-3-27b]
+    python -m bench.probes.linear_calls [--models llama-3.1-8b,qwen2.5-7b,gemma-3-27b]
                                  [--batches 1,16] [--rounds 700] [--out bench/results]
 
 Each model is built from its shipped config (two decoder layers, random bf16

@@ -2,7 +2,7 @@
 torch.profiler, with its linear layers as they are and with given configs
 wired into given (N, K) at the case's M.
 
-    python -m bench.e2e_profile --model gemma-3-27b --prefill 4x1024 \\
+    python -m bench.probes.e2e_profile --model gemma-3-27b --prefill 4x1024 \\
         --kernel 21504x5376=sm90-stream_k-t128x256-c2x1-s4-w4m \\
         --kernel 5376x21504=sm90-static_persistent-t128x224-c1x2-s4-w4m \\
         [--layers 2] [--rounds 30] [--out bench/results]
