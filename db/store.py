@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -203,17 +203,20 @@ class Store:
 
     # -- trials -----------------------------------------------------------------
 
-    def record_trial(
-        self, key_id: int, env_id: int, *, config_name: str, scheduler: str, config: dict | None,
-        ok: bool, ms: float | None, rel_err: float | None = None, error: str | None = None,
-        detail: dict | None = None,
-    ) -> None:
+    def record_trials(self, key_id: int, env_id: int, rows: Iterable[dict[str, Any]]) -> None:
+        """Store measured trials of one key in one transaction (one insert).
+        A row holds config_name, scheduler, config, ok and ms, and may hold
+        rel_err, error and detail."""
+        values = [
+            dict(key_id=key_id, env_id=env_id, config_name=r["config_name"], scheduler=r["scheduler"],
+                 config=r["config"], ok=r["ok"], ms=r["ms"], rel_err=r.get("rel_err"),
+                 error=(r.get("error") or None) and r["error"][:1000], detail=r.get("detail") or {})
+            for r in rows
+        ]
+        if not values:
+            return
         with self.session() as s, s.begin():
-            s.add(Trial(
-                key_id=key_id, env_id=env_id, config_name=config_name, scheduler=scheduler,
-                config=config, ok=ok, ms=ms, rel_err=rel_err,
-                error=(error or None) and error[:1000], detail=detail or {},
-            ))
+            s.execute(insert(Trial), values)
 
     def trials(self, key_id: int, env_id: int) -> list[TrialView]:
         with self.session() as s:

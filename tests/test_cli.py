@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tuner.backends.model import PER_TRIAL_ENV
 from tuner.search.ladder import rungs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +101,10 @@ def test_bad_shape_line_fails_with_file_line_and_leaves_db_untouched(tmp_path, l
     assert digest(db) == before
 
 
-def test_sigkill_mid_key_then_rerun_finishes_and_keeps_trials(tmp_path):
+def test_sigkill_mid_key_then_rerun_finishes_and_keeps_trials(tmp_path, monkeypatch):
+    # The model searched as the GPU backend is: one Optuna trial at a time in
+    # the database (a bulk model search stores a key only once it is done).
+    monkeypatch.setenv(PER_TRIAL_ENV, "1")
     shapes = tmp_path / "s.txt"
     shapes.write_text("1,16,128,512,2048 8192 8192\n")
     cmd = [sys.executable, "-m", "tuner.cli", "tune", "--shapes", str(shapes), "--backend", "model",

@@ -26,6 +26,7 @@ from db.migrate import alembic_config
 from db.models import Lease
 from db.store import Store
 from tests.test_service import _Server
+from tuner.backends.model import PER_TRIAL_ENV
 from tuner.key import Key, Problem
 from tuner.search.ladder import _died_here
 from tuner.runtime.lookup import EXACT, NEAREST, lookup
@@ -129,7 +130,10 @@ def test_workers_share_the_families_and_tune_none_twice(pg_url, tmp_path, worker
     assert max(map(len, err.splitlines())) <= 80
 
 
-def test_a_worker_killed_mid_key_is_taken_over_and_nothing_it_measured_is_lost(pg_url, tmp_path):
+def test_a_worker_killed_mid_key_is_taken_over_and_nothing_it_measured_is_lost(pg_url, tmp_path, monkeypatch):
+    # The model searched as the GPU backend is: one Optuna trial at a time in
+    # the database (a bulk model search stores a key only once it is done).
+    monkeypatch.setenv(PER_TRIAL_ENV, "1")
     shapes = tmp_path / "s.txt"
     shapes.write_text("512 4096 4096 name=big\n")
     args = ("--shapes", str(shapes), "--trials", "60", "--no-ladder", "--lease-ttl", "2")

@@ -14,13 +14,14 @@ from tuner.search.study import (
 
 
 class MeasuredBackend(ModelBackend):
-    """The model's times behind a backend that is not the model (as the gpu one is),
-    recording what the search asks it to compile ahead and to measure."""
+    """The model's times behind a backend that is not the model (as the gpu one is:
+    searched one stored trial at a time), recording what the search asks it to
+    compile ahead and to measure."""
 
     name = "measured"
 
     def __init__(self, arch):
-        super().__init__(arch)
+        super().__init__(arch, bulk=False)
         self.prepared: list[GemmConfig] = []
         self.measured: list[GemmConfig] = []
 

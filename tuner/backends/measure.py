@@ -120,6 +120,13 @@ class Backend(Protocol):
     name: str
     arch: str
     device_name: str
+    # A measurement costs less than storing it (the model's arithmetic): a
+    # key's search runs in memory and its trials are stored together once
+    # the key is done; a key interrupted before that is searched again from
+    # the start. A backend without it (the GPU) keeps an Optuna study per
+    # key in the database and stores each trial as it is measured, so that
+    # an interrupted key resumes where it stopped (`tuner.search.study`).
+    bulk: bool
 
     def versions(self) -> dict[str, str]:
         """Software (and model) versions a result is valid under."""

@@ -380,17 +380,27 @@ def _calibrations(path: Path) -> dict[str, dict]:
     return _calibrations_at(path, mtime)
 
 
+# Set to 1: the model backend is searched one stored trial at a time, as the
+# GPU backend is (`Backend.bulk` False), so that tests can kill and resume
+# that path without a GPU.
+PER_TRIAL_ENV = "TUNER_MODEL_PER_TRIAL"
+
+
 class ModelBackend:
     """The analytic model behind the tuner's `Backend` interface.
 
     A measurement's detail carries the tile and worker counts, waves, the
     bound of the dominant tiles, and the earliest and latest time a worker
     finishes its real work (their spread is the load imbalance).
+
+    A prediction takes a fraction of a millisecond, less than storing it:
+    the backend is `bulk` (a key's search in memory, its trials stored
+    together) unless `bulk=False` or $TUNER_MODEL_PER_TRIAL=1.
     """
 
     name = "model"
 
-    def __init__(self, arch: str, device: DeviceModel | None = None):
+    def __init__(self, arch: str, device: DeviceModel | None = None, *, bulk: bool | None = None):
         if device is None:
             if arch not in DEVICES:
                 raise ValueError(f"no device model for arch {arch!r}; expected one of {tuple(DEVICES)}")
@@ -401,6 +411,7 @@ class ModelBackend:
         self.device = device
         self.device_name = device.name
         self.sm_count = device.sms
+        self.bulk = os.environ.get(PER_TRIAL_ENV, "") in ("", "0") if bulk is None else bulk
 
     def versions(self) -> dict[str, str]:
         return {"model": MODEL_VERSION}

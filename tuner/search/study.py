@@ -1,10 +1,14 @@
 """The search: one Optuna study per key, winners into the store.
 
-A study lives in the same database as our tables, named from the key and the
-environment it measures under, so an interrupted run resumes where it stopped
-and several processes (or hosts, on PostgreSQL) can share one key's trials.
-Every measured config is also recorded as a trial row of our own: a config is
-never timed twice for a key, and the winner is chosen from verified rows only.
+A measuring backend's study lives in the same database as our tables, named
+from the key and the environment it measures under, so an interrupted run
+resumes where it stopped and several processes (or hosts, on PostgreSQL) can
+share one key's trials. A `bulk` backend's (the model's) is the same seeded
+study kept in memory: its measurements cost less than storing them, so the
+key's trials are stored together when it is done, and an interrupted key is
+searched again (it takes well under a second). Every measured config is also
+recorded as a trial row of our own: a config is never timed twice for a key,
+and the winner is chosen from verified rows only.
 """
 
 from __future__ import annotations
@@ -124,6 +128,12 @@ def tune_key(
 
     A key whose winner was measured under the backend's current versions is
     skipped unless `force`.
+
+    A `bulk` backend's study runs in memory and the key's new trials are
+    stored in one transaction before its winner: on the model, storing each
+    trial and the study's round trips to the database took nearly all of a
+    tune's time. The study samples the same configs either way (the same
+    seeded sampler over the same history), so the winners are the same.
     """
     versions = backend.versions()
     env_id = store.environment(backend.name, key.arch, key.device, versions)
@@ -135,21 +145,24 @@ def tune_key(
             on_trial(Tick(current.trials, current.trials, current.speedup))
         return Outcome(key, current, skipped=True)
 
+    bulk = getattr(backend, "bulk", False)
     measured = {t.config_name: t for t in store.trials(key_id, env_id)}
+    unstored: list[dict] = []  # a bulk backend's new trials, stored with the winner
 
     def measure(cfg: GemmConfig | None) -> TrialView:
         config_name = cfg.name() if cfg else BASELINE
         if config_name not in measured:
             m = backend.measure(key, cfg) if cfg else backend.baseline(key)
-            store.record_trial(
-                key_id, env_id, config_name=config_name,
-                scheduler=cfg.scheduler if cfg else BASELINE, config=cfg.to_dict() if cfg else None,
-                ok=m.ok, ms=m.ms, rel_err=m.rel_err, error=m.error, detail=m.detail,
+            row = dict(
+                config_name=config_name, scheduler=cfg.scheduler if cfg else BASELINE,
+                config=cfg.to_dict() if cfg else None, ok=m.ok, ms=m.ms, rel_err=m.rel_err, error=m.error,
+                detail=m.detail,
             )
-            measured[config_name] = TrialView(
-                config_name, cfg.scheduler if cfg else BASELINE, cfg.to_dict() if cfg else None,
-                m.ok, m.ms, m.error,
-            )
+            if bulk:
+                unstored.append(row)
+            else:
+                store.record_trials(key_id, env_id, [row])
+            measured[config_name] = TrialView(config_name, row["scheduler"], row["config"], m.ok, m.ms, m.error)
         return measured[config_name]
 
     def best_speedup() -> float | None:
@@ -167,10 +180,12 @@ def tune_key(
     # need not read other processes' running trials as it samples: without
     # the constant liar it reads the study once a trial instead of once per
     # group of parameters, each read a round of queries on the RDB storage
-    # (half of a model-backend tune's time on a 2-core host).
+    # (half of a model-backend tune's time on a 2-core host, before the model
+    # searched in memory).
+    storage = optuna.storages.InMemoryStorage() if bulk else store.optuna_storage()
     study = optuna.create_study(
         study_name=f"{key.study_name()}:{_env_tag(backend.name, versions, key.arch)}",
-        storage=store.optuna_storage(),
+        storage=storage,
         sampler=optuna.samplers.TPESampler(
             seed=_seed(key.study_name()), multivariate=True, group=True, constant_liar=False,
             n_startup_trials=min(10, trials),
@@ -180,7 +195,6 @@ def tune_key(
     )
     # A process killed mid-trial leaves it RUNNING for ever; whoever resumes
     # the key (its family lease says nobody else runs it) closes it as failed.
-    storage = store.optuna_storage()
     for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         storage.set_trial_state_values(stale._trial_id, optuna.trial.TrialState.FAIL)
     if not study.trials:
@@ -242,6 +256,7 @@ def tune_key(
     # Every verified trial of the key competes, whichever process measured it.
     measured.update((t.config_name, t) for t in store.trials(key_id, env_id))
     winner, best, baseline_ms = _pick_winner(key, backend, measured, measure, variants)
+    store.record_trials(key_id, env_id, unstored)
     store.set_winner(
         key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,
         config=winner.config, ms=winner.ms, baseline_ms=baseline_ms, best_by_scheduler=best,
