@@ -204,7 +204,7 @@ def test_show_family_fits_80_columns_when_piped_and_has_json(tuned, tmp_path):
     maps = json.loads(_cli("show", "--family", "--json", db=path).stdout)
     [fm] = [m for m in maps if m["name"] == "o"]
     assert fm["name"] == "o" and fm["ranges"][0]["m_lo"] == 1 and fm["ranges"][0]["evidence"]
-    winners = json.loads(_cli("show", "--json", db=path).stdout)
+    winners = json.loads(_cli("show", "--json", db=path).stdout)["items"]
     assert {w["key"]["m"] for w in winners if w["key"]["n"] == 5376} == set(tuned[3].rungs)
     # A table a family: each row's winner whole on its line, not folded.
     from tuner.cli import short_config
@@ -223,7 +223,7 @@ def test_a_family_head_stays_whole_on_its_line_when_piped(tmp_path):
     shapes.write_text("512 5120 4096 dtype=bf16 name=a-long-model-name-12b.o_proj\n")
     db = tmp_path / "t.db"
     _cli("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "2", "--no-ladder", db=db)
-    [w] = json.loads(_cli("show", "--json", db=db).stdout)
+    [w] = json.loads(_cli("show", "--json", db=db).stdout)["items"]
     head = f"a-long-model-name-12b.o_proj: N=5120 K=4096 bf16>bf16 tn sm90 {w['key']['device']}"
     assert 60 < len(head) <= 80
     for args in (("show",), ("show", "--family")):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -11,7 +12,6 @@ from typing import Optional
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kernels.space import ARCHS
@@ -21,7 +21,8 @@ from tuner.key import Key
 # about 20 characters wide at 80 columns.
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 console = Console()
-# Progress bars go to stderr, so stdout stays the tables (or JSON) alone.
+# Progress and `tune`'s lines go to stderr, so stdout stays the tables (or
+# JSON) alone.
 err_console = Console(stderr=True)
 
 BACKENDS = ("model", "gpu")
@@ -89,7 +90,9 @@ def tune(
     only: Optional[str] = typer.Option(
         None, help="Only keys whose name matches this glob (e.g. 'gemma3-27b.*')."),
     as_json: bool = typer.Option(
-        False, "--json", help="Print the M maps as JSON (with --devices: and each worker's summary)."),
+        False, "--json", help="Also print the run as JSON on stdout: each family's state, the M tuned "
+        "anew, its map's spans, best speedup and seconds; the totals; the run's M maps (as `show "
+        "--family --json`); with --devices, each worker's summary."),
     devices: Optional[str] = typer.Option(
         None, help="GPUs of this host to tune on, e.g. 0,1: one worker process each, sharing the "
         "families with each other and with any other tuner on the same database."),
@@ -103,7 +106,9 @@ def tune(
     """Search the kernel pool for each family and store its M map.
 
     Every family of a shape file (--shapes), or of a model's linear layers
-    (--model)."""
+    (--model). On stderr: in a terminal, a live line per family being tuned
+    (M, trials, best speedup so far); a line per family tuned; a totals
+    line. `tuner show --family` prints the stored M maps."""
     from tuner.search.ladder import owner_id, tune_families
     from tuner.runtime.lookup import family_of
     from tuner.search.study import Budget
@@ -130,7 +135,7 @@ def tune(
         _tune_on_devices(devices, dict(
             shapes=str(resolve(shapes)), backend=backend, arch=arch, trials=trials, seconds=seconds,
             ladder=ladder, force=force, revalidate=revalidate, only=only, lease_ttl=lease_ttl, db=db,
-        ), as_json)
+        ), as_json, entries)
         return
     bk = _backend(backend, arch)
     for e in entries:
@@ -143,54 +148,42 @@ def tune(
     for entry in entries:
         key = Key(arch, bk.device_name, entry.problem)
         families.setdefault(tuple(map(str, family_of(key).values())), []).append((entry.name, key))
-    columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn())
-    names = {fam: members[0][0] for fam, members in families.items()}
     work = [(members[0][0], [k for _, k in members]) for members in families.values()]
-
-    def label(key: Key) -> str:
-        return f"{names[tuple(map(str, family_of(key).values()))] or '-'} {key.problem.label()}"
-
+    options = dict(ladder=ladder, force=force, revalidate=revalidate, lease_ttl_s=lease_ttl)
     if worker_events:
         # A worker of `--devices`: its parent shows the progress.
-        from tuner.search.workers import Events
+        from tuner.search.workers import Events, EventSink, Tracker
 
         events = Events()
         events.emit("start", owner=owner_id(), device_name=bk.device_name, arch=arch)
-
-        def on_event_rung(key: Key, listed: bool):
-            return lambda tick: events.emit("rung", label=label(key), listed=listed, done=tick.done, total=tick.total)
-
-        tune_families(work, bk, store, budget, ladder=ladder, force=force, revalidate=revalidate,
-                      lease_ttl_s=lease_ttl, on_rung=on_event_rung,
-                      on_family=lambda name, state, outcome: events.emit(
-                          "family", name=name, state=state, rungs=outcome.tuned if outcome else 0))
+        tracker = Tracker(EventSink(events))
+        tune_families(work, bk, store, budget, **options, on_rung=tracker.on_rung, on_family=tracker.on_family)
         store.close()
         return
-    with Progress(*columns, console=err_console, transient=False) as progress:
+    from tuner.search.workers import Report, ReportSink, Tracker
 
-        def on_rung(key: Key, listed: bool):
-            task = progress.add_task(label(key) + ("" if listed else " (rung)"), total=None)
-
-            def advance(tick) -> None:
-                progress.update(task, completed=tick.done, total=tick.total)
-            return advance
-
-        def on_family(name: str, state: str, outcome) -> None:
-            if state == "done":
-                stages = ", ".join(f"{stage} {s:.0f}" for stage, s in outcome.seconds.items())
-                progress.console.print(f"{name}: {outcome.tuned} keys tuned, "
-                                       f"{sum(outcome.seconds.values()):.0f} s ({stages})", highlight=False)
-
-        tune_families(work, bk, store, budget, ladder=ladder, force=force, revalidate=revalidate,
-                      lease_ttl_s=lease_ttl, on_rung=on_rung, on_family=on_family)
-    maps = _family_maps(store, arch=arch, device=bk.device_name, names=[m[0][0] for m in families.values()])
+    with Report(err_console) as report:
+        tracker = Tracker(ReportSink(report))
+        tune_families(work, bk, store, budget, **options, on_rung=tracker.on_rung, on_family=tracker.on_family)
+    report.totals(len(entries))
+    if as_json:
+        maps = _run_maps(store, arch, bk.device_name, entries)
+        print(json.dumps({"device": bk.device_name, "arch": arch, **report.to_json(len(entries)),
+                          "maps": [fm.to_json() for fm in maps]}, indent=1))
     store.close()
-    _print_maps(maps, as_json, f"M maps ({bk.device_name}, {arch})")
 
 
-def _tune_on_devices(devices: str, options: dict, as_json: bool) -> None:
-    """`tune --devices`: one worker process per GPU (`tuner.search.workers`), then
-    the maps they stored."""
+def _run_maps(store, arch: str, device: str, entries) -> list[FamilyMap]:
+    """The stored M maps of the families of a shape file's `entries`."""
+    from tuner.runtime.lookup import family_id, family_of
+
+    run = {family_id(family_of(Key(arch, device, e.problem))) for e in entries}
+    return [fm for fm in _family_maps(store, arch=arch, device=device) if family_id(fm.family) in run]
+
+
+def _tune_on_devices(devices: str, options: dict, as_json: bool, entries) -> None:
+    """`tune --devices`: one worker process per GPU (`tuner.search.workers`),
+    shown as one `Report`."""
     from db.engine import resolve_url
     from tuner.search import workers
 
@@ -209,23 +202,19 @@ def _tune_on_devices(devices: str, options: dict, as_json: bool) -> None:
             args.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             args += [flag, str(value)]
-    ran = workers.run(visible, args, err_console)
+    with workers.Report(err_console) as report:
+        ran = workers.run(visible, args, report)
+    report.totals(len(entries))
     failed = [w for w in ran if w.rc != 0]
-    named = [m for w in ran if w.device_name for m in [(w.device_name, w.arch)]]
-    maps = []
-    if named:
-        store = _open(options["db"], writer=False)
-        maps = _family_maps(store, arch=named[0][1], device=named[0][0])
-        store.close()
     if as_json:
-        print(json.dumps({"workers": [w.summary() for w in ran], "maps": [fm.to_json() for fm in maps]}, indent=1))
-    else:
-        table = _table(f"{len(ran)} workers", ["gpu", "pid", "families", "rungs", "s", "exit"], ())
-        for w in ran:
-            table.add_row(w.device, str(w.proc.pid), str(len(w.families)), str(w.rungs),
-                          f"{w.wall_s:.1f}", str(w.rc))
-        console.print(table)
-        _print_maps(maps, False, f"M maps ({named[0][0]}, {named[0][1]})" if named else "")
+        named = [w for w in ran if w.device_name]
+        maps = []
+        if named:
+            store = _open(options["db"], writer=False)
+            maps = _run_maps(store, named[0].arch, named[0].device_name, entries)
+            store.close()
+        print(json.dumps({"workers": [w.summary() for w in ran], **report.to_json(len(entries)),
+                          "maps": [fm.to_json() for fm in maps]}, indent=1))
     if failed:
         _fail("worker(s) failed: " + ", ".join(f"gpu{w.device} (exit code {w.rc})" for w in failed), code=1)
 
@@ -240,8 +229,11 @@ def show(
     k: Optional[int] = typer.Option(None, help="Only this K."),
     groups: Optional[int] = typer.Option(None, help="Only this group count."),
     family: bool = typer.Option(False, "--family", help="Show each family's M map instead of the winners."),
-    limit: int = typer.Option(200, min=1, max=100_000, help="Rows at most."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    limit: int = typer.Option(
+        200, min=1, max=100_000, help="Winners at most (the table says how many match when it cuts)."),
+    as_json: bool = typer.Option(
+        False, "--json", help='Print JSON instead of a table: {"total": winners matching, "shown": '
+        'winners printed, "limit": --limit, "items": [winner, ...]}; with --family, a list of maps.'),
     db: Optional[str] = DbOption,
 ) -> None:
     """Show stored winners, or each family's M map (--family).
@@ -253,16 +245,21 @@ def show(
         store.close()
         _print_maps(maps, as_json, f"{len(maps)} families")
         return
-    rows = store.winners(
-        limit=limit, arch=arch, device=device, backend=backend, m=m, n=n, k=k, groups=groups,
-    )
+    filters = dict(arch=arch, device=device, backend=backend, m=m, n=n, k=k, groups=groups)
+    rows = store.winners(limit=limit, **filters)
+    total = len(rows) if len(rows) < limit else store.count_winners(**filters)
     store.close()
     if as_json:
-        print(json.dumps([w.to_record() for w in rows], indent=1))
+        print(json.dumps({"total": total, "shown": len(rows), "limit": limit,
+                          "items": [w.to_record() for w in rows]}, indent=1))
     elif not rows:
         console.print("no winners match")
+    elif total > len(rows):
+        cut = f"showing {len(rows)} of {total} winners (--limit {limit}; --limit {total} shows all)"
+        _print_winners(rows, cut)
+        console.print(f"\n{cut}", highlight=False)
     else:
-        _print_winners(rows, f"{len(rows)} winners")
+        _print_winners(rows, _plural(total, "winner"))
 
 
 @app.command()
@@ -305,29 +302,51 @@ def remap(
     console.print(table)
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _choice_at(spans: list[tuple[int, int, str]], m: int) -> str:
     return next(choice for lo, hi, choice in spans if lo <= m <= hi)
 
 
 @app.command()
 def plot(
-    family: str = typer.Option(..., "--family", help="Key name (glob) of the family, e.g. 'gemma3-27b.qkv'."),
-    output: Path = typer.Option(..., "-o", "--output", help="PNG file to write."),
+    family: str = typer.Option(
+        ..., "--family", help="Key name of the family, or a glob of several (e.g. 'gemma3-27b.*': one "
+        "PNG each)."),
+    output: Path = typer.Option(
+        ..., "-o", "--output", help="PNG file to write, or a directory to write NAME.png files into "
+        "(created; a path not ending in .png is one). A FILE.png with several families matching "
+        "writes FILE-NAME.png for each."),
     device: Optional[str] = typer.Option(None, help="Only this device name."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Draw a family's M map: time against M, the choice and cuBLAS."""
-    from tuner.observe.plots import plot_family
+    """Draw families' M maps: time against M, the choice and cuBLAS.
+
+    One PNG a family; prints the path of each."""
+    from tuner.observe.plots import plot_family, plot_names
 
     store = _open(db, writer=False)
     maps = [fm for fm in _family_maps(store, device=device) if fnmatch.fnmatchcase(fm.name, family)]
     store.close()
     if not maps:
         _fail(f"no family with an M map has a name matching {family!r}")
-    if len(maps) > 1:
-        _fail(f"{len(maps)} families match {family!r}: " + ", ".join(sorted({fm.name for fm in maps})))
-    plot_family(maps[0], output)
-    console.print(f"wrote {output}")
+    maps.sort(key=lambda fm: (fm.name, fm.family["device"]))
+    if output.suffix.lower() == ".png" and not output.is_dir():
+        paths = ([output] if len(maps) == 1 else
+                 [output.with_name(f"{output.stem}-{name}.png") for name in plot_names(maps)])
+        folder = output.parent
+    else:
+        paths = [output / f"{name}.png" for name in plot_names(maps)]
+        folder = output
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for fm, path in zip(maps, paths, strict=True):
+            plot_family(fm, path)
+            console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+    except OSError as exc:
+        _fail(f"cannot write {exc.filename or folder}: {exc.strerror or exc}")
 
 
 @app.command("export")
@@ -437,24 +456,58 @@ def serve(
     workers: int = typer.Option(1, min=1, max=64, help="Server processes sharing the port."),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Serve the stored winners over HTTP (OpenAPI at /docs)."""
+    """Serve the stored winners over HTTP (OpenAPI at /docs).
+
+    Says on stderr where it listens and which database it serves."""
     import os
+    import socket
 
     import uvicorn
+    from sqlalchemy.engine import make_url
 
     from db.engine import ENV_VAR, resolve_url, writable
 
     url = resolve_url(db)
+    read_only = not writable(url)
     # A database that cannot be opened is a one-line error here, not a
     # traceback from every worker; a read-only one is served as it is.
-    _open(url, writer=writable(url)).close()
+    _open(url, writer=not read_only).close()
     # Every worker process builds its own app from the factory and finds the
     # database through the environment.
     os.environ[ENV_VAR] = url
-    uvicorn.run(
+    config = uvicorn.Config(
         "service.app:create_app", factory=True, host=host, port=port, workers=workers,
         access_log=False, log_level="warning",
     )
+    # Bound and listening here, not in uvicorn: a port in use is a one-line
+    # error, and the address printed is the one listened on (--port 0 picks
+    # a free port), reachable once printed (connections queue until served).
+    v6 = ":" in host
+    sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(config.backlog)
+    except OSError as exc:
+        sock.close()
+        _fail(f"cannot listen on {host} port {port}: {exc.strerror or exc}")
+    sock.set_inheritable(True)
+    address = f"http://{f'[{host}]' if v6 else host}:{sock.getsockname()[1]}"
+    shown = make_url(url).render_as_string(hide_password=True)
+    print(f"serving {address} (API docs at /docs" + (f", {workers} workers" if workers > 1 else "")
+          + "; Ctrl-C stops)\n" + f"  database {shown}" + (" (read-only)" if read_only else ""),
+          file=sys.stderr, flush=True)
+    try:
+        if workers > 1:
+            from uvicorn.supervisors import Multiprocess
+
+            Multiprocess(config, sockets=[sock]).run()
+        else:
+            uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
 
 
 @app.command()

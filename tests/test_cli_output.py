@@ -1,0 +1,162 @@
+"""What the CLI prints for a person and for a script: `tune` piped (a line a
+family, a totals line, nothing to do on a rerun, `--json`), `show` when it
+cuts at --limit, `serve` saying where it listens and what it serves."""
+
+import json
+import os
+import queue
+import re
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = "1,16 1024 1024 name=a\n64 2048 1024 name=b\n"
+# A family line, e.g. "a  9 rungs tuned, map 2 spans, best 1.14x, 0.4 s".
+FAMILY = re.compile(r"^(\S+)  (\d+) rungs? tuned, map (\d+) spans?, best \d+\.\d\dx, \d+(\.\d)? s$")
+
+
+def tuner(*args, db, check=True):
+    # Piped: stdout and stderr are pipes, not terminals.
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    proc = subprocess.run([sys.executable, "-m", "tuner.cli", *args, "--db", str(db)], capture_output=True,
+                          text=True, cwd=ROOT, env={**env, "COLUMNS": "80"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def count(db, sql):
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql).fetchone()[0]
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A database tuned from SHAPES, and that first run's output."""
+    d = tmp_path_factory.mktemp("out")
+    shapes = d / "s.txt"
+    shapes.write_text(SHAPES)
+    db = d / "t.db"
+    first = tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "3", db=db)
+    return shapes, db, first
+
+
+def copy(tuned, tmp_path):
+    shapes, db, _ = tuned
+    mine = tmp_path / "t.db"
+    shutil.copy(db, mine)
+    return shapes, mine
+
+
+def test_piped_tune_prints_a_line_a_family_and_the_totals_and_nothing_else(tuned):
+    _, db, first = tuned
+    assert first.stdout == ""  # the maps are `show --family`'s; stdout is --json's
+    err = first.stderr
+    assert "\x1b" not in err and "\r" not in err  # no redraws, no colour
+    lines = err.splitlines()
+    assert len(lines) == 3, err
+    families = [FAMILY.match(line) for line in lines[:2]]
+    assert all(families), lines
+    assert [f.group(1) for f in families] == ["a", "b"]
+    rungs = sum(int(f.group(2)) for f in families)
+    assert rungs == count(db, "select count(*) from tuner_winners")
+    assert re.fullmatch(rf"3 keys, 2 families \(2 tuned\), {rungs} rungs tuned, \d+(\.\d)? s", lines[2]), lines
+    assert max(map(len, lines)) <= 80
+
+
+def test_a_rerun_with_everything_current_says_nothing_to_do(tuned, tmp_path):
+    shapes, db = copy(tuned, tmp_path)
+    trials = count(db, "select count(*) from tuner_trials")
+    proc = tuner("tune", "--shapes", str(shapes), "--backend", "model", "--trials", "3", db=db)
+    assert (proc.stdout, proc.stderr) == ("", "nothing to do: 2 families current (3 keys)\n")
+    assert count(db, "select count(*) from tuner_trials") == trials
+
+
+def test_a_new_family_is_told_and_the_current_ones_only_counted(tuned, tmp_path):
+    shapes, db = copy(tuned, tmp_path)
+    more = tmp_path / "more.txt"
+    more.write_text(shapes.read_text() + "8 512 1024 name=c\n")
+    lines = tuner("tune", "--shapes", str(more), "--backend", "model", "--trials", "3", db=db).stderr.splitlines()
+    assert len(lines) == 2 and FAMILY.match(lines[0]).group(1) == "c", lines
+    assert re.fullmatch(r"4 keys, 3 families \(1 tuned, 2 current\), \d+ rungs tuned, \d+(\.\d)? s", lines[1])
+
+
+def test_tune_json_is_the_run_summary_with_its_maps(tuned, tmp_path):
+    shapes, db = copy(tuned, tmp_path)
+    proc = tuner("tune", "--shapes", str(shapes), "--backend", "model", "--only", "a", "--revalidate", "--json",
+                 db=db)
+    run = json.loads(proc.stdout)
+    [family] = run["families"]
+    assert family["name"] == "a" and family["state"] == "remapped" and family["tuned_m"] == []
+    assert family["spans"] >= 1 and family["rungs"] >= 5 and family["seconds"] >= 0
+    assert run["totals"] == {**run["totals"], "keys": 2, "families": 1, "tuned": 0, "remapped": 1, "current": 0,
+                             "lost": 0, "rungs_tuned": 0}
+    assert [m["name"] for m in run["maps"]] == ["a"] and len(run["maps"][0]["ranges"]) == family["spans"]
+    [line, _] = proc.stderr.splitlines()
+    assert line.startswith("a  map measured again, ")
+
+
+def test_show_says_how_many_it_cut_in_the_table_and_in_json(tuned):
+    _, db, _ = tuned
+    total = count(db, "select count(*) from tuner_winners")
+    assert total > 3
+    lines = tuner("show", "--limit", "3", db=db).stdout.splitlines()
+    cut = f"showing 3 of {total} winners (--limit 3; --limit {total} shows all)"
+    assert lines[0] == cut and lines[-1] == cut
+    shown = json.loads(tuner("show", "--limit", "3", "--json", db=db).stdout)
+    assert (shown["total"], shown["shown"], shown["limit"], len(shown["items"])) == (total, 3, 3, 3)
+    # Uncut: the count alone.
+    assert tuner("show", db=db).stdout.splitlines()[0] == f"{total} winners"
+    whole = json.loads(tuner("show", "--json", db=db).stdout)
+    assert whole["total"] == whole["shown"] == len(whole["items"]) == total
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_says_where_it_listens_and_which_database_at_once(tuned):
+    _, db, _ = tuned
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", "--port", str(port), "--db", str(db)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        # Piped, and read while it runs: flushed, not held in a buffer until exit.
+        first, second = lines.get(timeout=60), lines.get(timeout=10)
+        assert first.startswith(f"serving http://127.0.0.1:{port} (API docs at /docs"), first
+        assert second.strip() == f"database sqlite:///{db.resolve()}", second
+        # Listening once it says so.
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_on_a_port_in_use_is_a_one_line_error(tuned):
+    _, db, _ = tuned
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        proc = tuner("serve", "--port", str(port), db=db, check=False)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2
+    text = (proc.stdout + proc.stderr).strip()
+    assert len(text.splitlines()) == 1 and "cannot listen" in text and str(port) in text, text
