@@ -3,7 +3,7 @@ patched (`tuner.patch`), eager and under torch.compile.
 
     python -m bench.e2e --db DB [--tune gpu|model|none] [--tune-only] [--trials N]
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
-                        [--prefill 1x512,4x1024] [--decode 1,16] [--steps 64] [--prompt 128]
+                        [--prefill 1x512,4x1024|none] [--decode 1,16] [--steps 64] [--prompt 128]
                         [--rounds 300] [--decode-rounds 20] [--check-rounds 30]
                         [--modes eager,compiled] [--graphs]
                         [--out bench/results]
@@ -54,11 +54,22 @@ downloaded).
    and those where it ran second averaged apart (`paired_speedup`), with
    its standard error (or half the log distance between the two halves'
    estimates, where that is larger: `_speed`).
-4. Outputs: patched logits against the unpatched copy's in the same mode
-   (relative Frobenius error of the prefill logits and of the first decode
-   step's) and the share of greedy decode tokens that agree: compiled
-   against compiled, since Inductor's own fusions move a compiled model's
-   logits by up to 2 % from its eager ones with no kernel of ours in it.
+4. Outputs (untimed, after each case's timed rounds): patched logits
+   against the unpatched copy's in the same mode, compiled against
+   compiled, since Inductor's own fusions move a compiled model's logits by
+   up to 2 % from its eager ones with no kernel of ours in it. Prefill: the
+   relative Frobenius error (`_rel_err`) of the last position's logits.
+   Decode: both variants are fed the same tokens, teacher-forced: the
+   unpatched copy decodes `--steps` greedy steps after the prompt
+   (`_greedy`), the patched one is fed that run's tokens step by step
+   (`_forced`), and `rel_err` is the largest over the steps of each step's
+   logits' error. Free-running greedy sequences of random weights part
+   after a few steps (11 % of the tokens agreed), and then compare logits
+   of different tokens. `token_agreement` is the share of steps and rows
+   whose argmax agrees under that forcing: information only, as random
+   weights leave near-ties that bf16 rounding flips. `rel_err` of every
+   case within `REL_ERR_LIMIT` (2e-2) is the summary's
+   `outputs_within_limit`.
 
 With `--graphs` the models run as a serving engine runs its decode steps:
 the patched copy is patched with `patch(graphs=True)` (every kernel interval
@@ -67,9 +78,18 @@ case's callable, eager or compiled, is captured in a CUDA graph on its first
 call (after a warm-up call) and replayed after, its inputs copied into the
 captured ones (`_Graphed`). A replay runs no host code of the model, so
 this is where the kernels' device time reaches the tokens per second.
+Decode at the DRAM floor (8 decoder layers, batches 1, 4 and 16, no prefill
+case; `--models` one at a time fits the GPU machine's limit per command):
 
-Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs].json` (`$OUT` instead of
-`--out` when set; the suffixes name a subset of models or modes, and the file
+    python -m bench.e2e --db DB --tune none --graphs --layers 8 --prefill none --decode 1,4,16
+
+`--tune none` takes DB as it is (a family's map covers every M between
+those it was tuned at, batch 4 among them; a family DB lacks runs cuBLAS in
+both variants); `--tune gpu` (the default) first tunes those keys into it.
+
+Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs][-Nlayers].json` (`$OUT` instead of
+`--out` when set; the suffixes name a subset of models or modes, a layer count
+other than 2, and the file
 is rewritten after every case, so a run cut short keeps what it measured):
 per model what the check measured, and per case the tokens/s of each
 variant, the speedup, the errors, and how many linear calls of a forward may
@@ -113,7 +133,17 @@ _WARMUPS = 3  # untimed calls before a graph capture
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
+    """batch x seq pairs, comma-separated; "none" (or nothing) for none."""
+    if text.strip().lower() in ("", "none"):
+        return []
     return [tuple(int(v) for v in part.split("x")) for part in text.split(",")]
+
+
+def _batches(text: str) -> list[int]:
+    """Decode batches, comma-separated; "none" (or nothing) for none."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    return [int(v) for v in text.split(",")]
 
 
 def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], decode: list[int]) -> str:
@@ -448,17 +478,11 @@ def _decode_case(models: dict, roles: dict, batch: int, vocab: int, gen, args) -
         """One decode step of `fn` on variant `v`'s cache: the new position's logits."""
         return fn(input_ids=token, past_key_values=caches[id(cast[v])], cache_position=pos).logits[:, -1]
 
-    def loop(fn, v):
-        """The steps, untimed: (the first step's logits, the greedy tokens)."""
+    def stepper(fn, v):
+        """Variant `v`'s steps, untimed, after the prompt into its emptied
+        cache: `(token, i) -> step i's logits` (`_greedy`, `_forced`)."""
         prefill(v)
-        token, logits, tokens = first, None, []
-        for pos in positions:
-            last = step(fn, v, token, pos)
-            # The first step's (same inputs in every variant), copied: a graph's replay overwrites it.
-            logits = last.clone() if logits is None else logits
-            token = last.argmax(-1, keepdim=True)
-            tokens.append(token)
-        return logits, torch.cat(tokens, 1)
+        return lambda token, i: step(fn, v, token, positions[i])
 
     case = {"batch": batch, "prompt": args.prompt, "steps": args.steps}
     for mode in _MODES:
@@ -491,14 +515,44 @@ def _decode_case(models: dict, roles: dict, batch: int, vocab: int, gen, args) -
                     pairs.append((s["unpatched"], s["patched"], this[0] == "patched"))
                 return pairs
             pairs = _paired(trial, args.decode_rounds // 2, lead)
-            (logits, tokens), (want_logits, want_tokens) = (loop(fns[v], v) for v in VARIANTS[::-1])
-            errors.append(_rel_err(logits, want_logits))
-            agreements.append((tokens == want_tokens).float().mean().item())
+            # Outputs (module doc, step 4): the patched steps fed the unpatched steps' greedy tokens.
+            want, tokens = _greedy(stepper(fns["unpatched"], "unpatched"), first, len(positions))
+            error, agreement = _forced(stepper(fns["patched"], "patched"), first, want, tokens)
+            errors.append(error)
+            agreements.append(agreement)
             return pairs
 
         case[mode] = {**_speed(_both_ways(cast, mode, measure, args.graphs), batch), "rel_err": max(errors),
                       "token_agreement": min(agreements)}
     return case
+
+
+def _greedy(step, first: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`steps` greedy decode steps of `step(token, i) -> logits (batch,
+    vocab)` from `first` (batch, 1): every step's logits (copies: a graph's
+    replay overwrites its output) and the token each step picked (argmax,
+    fed to the next)."""
+    token, logits, tokens = first, [], []
+    for i in range(steps):
+        last = step(token, i)
+        logits.append(last.clone())
+        token = last.argmax(-1, keepdim=True)
+        tokens.append(token)
+    return logits, tokens
+
+
+def _forced(step, first: torch.Tensor, want: list[torch.Tensor], tokens: list[torch.Tensor]) -> tuple[float, float]:
+    """`step` teacher-forced on a `_greedy` run's tokens (`first`, then the
+    run's token of each step), each step's logits against that run's `want`
+    on the same inputs: (the largest relative error over the steps
+    (`_rel_err`), the share of steps and rows whose argmax agrees)."""
+    token, errors, agree = first, [], []
+    for i, (reference, fed) in enumerate(zip(want, tokens, strict=True)):
+        last = step(token, i)
+        errors.append(_rel_err(last, reference))
+        agree.append((last.argmax(-1) == reference.argmax(-1)).float().mean().item())
+        token = fed
+    return max(errors), statistics.fmean(agree)
 
 
 def _label(kind: str, case: dict) -> str:
@@ -559,9 +613,11 @@ def main() -> None:
     parser.add_argument("--tune-only", action="store_true")
     parser.add_argument("--trials", type=int, default=None, help="Trials per listed key (tune's default if unset).")
     parser.add_argument("--models", type=lambda t: t.split(","), default=list(MODELS))
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--prefill", type=_pairs, default=_pairs("1x512,4x1024"), help="batch x seq, comma-separated.")
-    parser.add_argument("--decode", type=lambda t: [int(v) for v in t.split(",")], default=[1, 16])
+    parser.add_argument("--layers", type=int, default=2, help="Decoder layers each model is truncated to.")
+    parser.add_argument("--prefill", type=_pairs, default=_pairs("1x512,4x1024"),
+                        help="batch x seq, comma-separated; none for no prefill case.")
+    parser.add_argument("--decode", type=_batches, default=[1, 16],
+                        help="Decode batches, comma-separated; none for no decode case.")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=300, help="Paired forwards per prefill case.")
@@ -575,6 +631,8 @@ def main() -> None:
                         help="Patch for CUDA graphs and replay every case from one (module doc).")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
+    if not args.prefill and not args.decode:
+        parser.error("--prefill none and --decode none leave no case to run")
     if args.tune != "none":
         tune(args)
     if args.tune_only:
@@ -585,6 +643,7 @@ def main() -> None:
                                                                 for m in args.models)
     which += "" if sorted(args.modes) == ["compiled", "eager"] else "-" + "_".join(args.modes)
     which += "-graphs" if args.graphs else ""
+    which += f"-{args.layers}layers" if args.layers != 2 else ""
     path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))
