@@ -105,7 +105,7 @@ def test_tune_json_is_the_run_summary_with_its_maps(tuned, tmp_path):
                              "lost": 0, "rungs_tuned": 0}
     assert [m["name"] for m in run["maps"]] == ["a"] and len(run["maps"][0]["ranges"]) == family["spans"]
     [line, _] = proc.stderr.splitlines()
-    assert line.startswith("a  map measured again, ")
+    assert re.fullmatch(rf"a  map measured again: {family['spans']} spans?, best \d\.\d\dx, \d+(\.\d)? s", line), line
 
 
 def test_show_says_how_many_it_cut_in_the_table_and_in_json(tuned):
@@ -160,3 +160,45 @@ def test_serve_on_a_port_in_use_is_a_one_line_error(tuned):
     assert proc.returncode == 2
     text = (proc.stdout + proc.stderr).strip()
     assert len(text.splitlines()) == 1 and "cannot listen" in text and str(port) in text, text
+
+
+def test_family_lines_read_as_sentences_and_fit_80_columns():
+    from tuner.search.workers import FamilyRecord
+
+    tuned = FamilyRecord("gemma3-27b.qkv", "tuned", rungs=31, tuned_m=list(range(31)), spans=7, best_speedup=1.2149,
+                         seconds=12.3)
+    assert tuned.line() == "gemma3-27b.qkv  31 rungs tuned, map 7 spans, best 1.21x, 12 s"
+    some = FamilyRecord("o", "tuned", rungs=9, tuned_m=[48], spans=1, best_speedup=None, seconds=0.42)
+    assert some.line("gpu1 ") == "gpu1 o  1 of 9 rungs tuned, map 1 span, 0.4 s"
+    again = FamilyRecord("o", "remapped", rungs=9, spans=3, best_speedup=1.0, seconds=40)
+    assert again.line() == "o  map measured again: 3 spans, best 1.00x, 40 s"
+    assert FamilyRecord("o", "lost", seconds=700).line().startswith("o  lost its lease after 700 s")
+    long = FamilyRecord("a-very-long-model-name-of-many-words-70b.layers.mlp.gate_up_proj", "tuned", rungs=14,
+                        tuned_m=list(range(14)), spans=4, best_speedup=1.1, seconds=300)
+    head, body = long.line("gpu3 ").split("\n")
+    assert head == "gpu3 " + long.name and body == "    14 rungs tuned, map 4 spans, best 1.10x, 300 s"
+    assert FamilyRecord.from_json(long.to_json()) == long and "worker" not in long.to_json()
+
+
+def test_a_family_two_workers_report_counts_once(capsys):
+    from rich.console import Console
+
+    from tuner.search import workers
+    from tuner.search.workers import FamilyRecord, Report
+
+    report = Report(Console(file=sys.stderr, force_terminal=False))
+    with report:
+        report.wait("gpu1 ", None)  # a short wait is no news when piped
+        report.family(FamilyRecord("a", "tuned", rungs=3, tuned_m=[1, 2, 3], spans=1, seconds=1), "gpu0 ")
+        report.family(FamilyRecord("a", "current", rungs=3, seconds=0.1), "gpu1 ")
+        report.family(FamilyRecord("b", "lost", seconds=5), "gpu0 ")
+        report.family(FamilyRecord("b", "tuned", rungs=2, tuned_m=[4, 8], spans=2, seconds=2), "gpu1 ")
+        report._waiting["gpu0 "] = time.monotonic() - workers.WAIT_NOTE_S  # a long one is
+        report.wait("gpu0 ", None)
+        report.wait("gpu0 ", None)
+    report.totals(5)
+    lines = capsys.readouterr().err.splitlines()
+    assert [r.state for r in report.records] == ["tuned", "tuned"]
+    assert lines[-1].startswith("5 keys, 2 families (2 tuned), 5 rungs tuned, ")
+    assert lines.count("gpu0 waiting: the families left are held by other processes") == 1
+    assert not any(line.startswith("gpu1 waiting") or line.startswith("gpu1 a") for line in lines)

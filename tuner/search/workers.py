@@ -129,9 +129,12 @@ class FamilyRecord:
             body = f"current ({_count(self.rungs, 'rung')})"
         else:
             n = len(self.tuned_m)
-            parts = [("map measured again" if not n else _count(n, "rung") + " tuned" if n == self.rungs
-                      else f"{n} of {self.rungs} rungs tuned"),
-                     "map kept" if self.spans is None else f"map {_count(self.spans, 'span')}"]
+            spans = "kept" if self.spans is None else _count(self.spans, "span")
+            if not n:
+                parts = [f"map measured again: {spans}"]
+            else:
+                parts = [_count(n, "rung") + " tuned" if n == self.rungs else f"{n} of {self.rungs} rungs tuned",
+                         f"map {spans}"]
             if self.best_speedup is not None:
                 parts.append(f"best {self.best_speedup:.2f}x")
             body = ", ".join(parts + [_seconds(self.seconds)])
