@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from db.store import Store
+from tuner.backends.model import PER_TRIAL_ENV
 from tuner.runtime.lookup import decide
 
 TOKEN = "test-token"
@@ -235,7 +236,11 @@ def test_imports_refused_without_a_configured_token(tuned_db, tmp_path):
         s.stop()
 
 
-def test_readers_get_answers_while_a_tune_writes(client, tuned_db, tmp_path):
+def test_readers_get_answers_while_a_tune_writes(client, tuned_db, tmp_path, monkeypatch):
+    # The model searched one stored trial at a time, as the GPU backend is: a
+    # commit every trial, for seconds (a bulk model search of these keys
+    # commits a few times in about one).
+    monkeypatch.setenv(PER_TRIAL_ENV, "1")
     shapes = tmp_path / "more.txt"
     shapes.write_text(MORE_SHAPES)
     tune = _tune(shapes, tuned_db, trials=8)
