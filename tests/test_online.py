@@ -141,7 +141,7 @@ def test_new_m_is_measured_once_then_a_second_process_uses_it(gpu_db, monkeypatc
     assert (stored.m_lo, stored.m_hi) == (1000, 1000) and "cublas" in stored.evidence[0]["ms"]
     # Another process, online on, finds the stored choice and measures nothing.
     code = (
-        "import torch; from tuner import dispatch, online\n"
+        "import torch; from tuner.runtime import dispatch, online\n"
         "online.time_interleaved = lambda *a: (_ for _ in ()).throw(AssertionError('measured'))\n"
         f"dispatch.configure({str(gpu_db)!r}, online=True)\n"
         f"a = torch.randn(1000, {K}, device='cuda', dtype=torch.bfloat16)\n"

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from kernels.space import ARCHS
 from tuner.key import Key
+from tuner.search.workers import count
 
 # Plain help (click's): rich's boxed option table leaves its help column
 # about 20 characters wide at 80 columns.
@@ -243,7 +244,7 @@ def show(
     if family:
         maps = _family_maps(store, arch=arch, device=device, n=n, k=k, groups=groups)
         store.close()
-        _print_maps(maps, as_json, f"{len(maps)} families")
+        _print_maps(maps, as_json, count(len(maps), "family", "families"))
         return
     filters = dict(arch=arch, device=device, backend=backend, m=m, n=n, k=k, groups=groups)
     rows = store.winners(limit=limit, **filters)
@@ -259,7 +260,7 @@ def show(
         _print_winners(rows, cut)
         console.print(f"\n{cut}", highlight=False)
     else:
-        _print_winners(rows, _plural(total, "winner"))
+        _print_winners(rows, count(total, "winner"))
 
 
 @app.command()
@@ -300,10 +301,6 @@ def remap(
     for name, _, old, new, moved in rows:
         table.add_row(name, f"{len(old)} -> {len(new)}", str(moved))
     console.print(table)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _choice_at(spans: list[tuple[int, int, str]], m: int) -> str:
@@ -388,9 +385,9 @@ def import_(
     except (ValueError, RecordError) as exc:  # JSON and encoding errors are ValueErrors too
         _fail(f"{source}: {exc}")
     store = _open(db)
-    count = store.import_records(records)
+    stored = store.import_records(records)
     store.close()
-    console.print(f"imported {count} of {len(records)} winners")
+    console.print(f"imported {stored} of {len(records)} winners")
 
 
 @app.command("shapes")

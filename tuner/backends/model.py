@@ -124,7 +124,7 @@ class DeviceModel:
     # that is a multiple of 32, whatever their wave fit); the cause is not
     # established. Twice that for an odd multiple of 8 (an odd number of
     # atoms): 128x184 ran 16 % behind 128x176 on 27B o at M = 512, both in
-    # one wave (bench.sm90_variants, `...-sm90-variants-eighths.json`).
+    # one wave (bench.probes.sm90_variants, `...-sm90-variants-eighths.json`).
     wgmma_n16_clk: float = 0.0
     launch_us: float = 2.0             # kernel launch + drain, back to back
     cta_start_us: float = 1.0          # CTA launch, barrier init, descriptor prefetch, exit

@@ -70,7 +70,8 @@ def family_label(name: str, key) -> str:
     return name or "Mx" + key.problem.label().split("x", 1)[1]
 
 
-def _count(n: int, word: str, plural: str | None = None) -> str:
+def count(n: int, word: str, plural: str | None = None) -> str:
+    """"1 family", "3 families": a number with its noun."""
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
@@ -126,14 +127,14 @@ class FamilyRecord:
         if self.state == "lost":
             body = f"lost its lease after {_seconds(self.seconds)}: another process finishes it"
         elif self.state == "current":
-            body = f"current ({_count(self.rungs, 'rung')})"
+            body = f"current ({count(self.rungs, 'rung')})"
         else:
             n = len(self.tuned_m)
-            spans = "kept" if self.spans is None else _count(self.spans, "span")
+            spans = "kept" if self.spans is None else count(self.spans, "span")
             if not n:
                 parts = [f"map measured again: {spans}"]
             else:
-                parts = [_count(n, "rung") + " tuned" if n == self.rungs else f"{n} of {self.rungs} rungs tuned",
+                parts = [count(n, "rung") + " tuned" if n == self.rungs else f"{n} of {self.rungs} rungs tuned",
                          f"map {spans}"]
             if self.best_speedup is not None:
                 parts.append(f"best {self.best_speedup:.2f}x")
@@ -242,12 +243,12 @@ class Report:
         states = Counter(r.state for r in self.records)
         seconds = time.monotonic() - self.started
         if n and states["current"] == n:
-            text = f"nothing to do: {_count(n, 'family', 'families')} current ({_count(keys, 'key')})"
+            text = f"nothing to do: {count(n, 'family', 'families')} current ({count(keys, 'key')})"
         else:
             told = ", ".join(f"{states[s]} {s}" for s in ("tuned", "remapped", "current", "lost") if states[s])
             rungs = sum(len(r.tuned_m) for r in self.records)
-            text = (f"{_count(keys, 'key')}, {_count(n, 'family', 'families')}" + (f" ({told})" if told else "")
-                    + f", {_count(rungs, 'rung')} tuned, {_seconds(seconds)}")
+            text = (f"{count(keys, 'key')}, {count(n, 'family', 'families')}" + (f" ({told})" if told else "")
+                    + f", {count(rungs, 'rung')} tuned, {_seconds(seconds)}")
         self.say(text)
         return text
 
@@ -401,8 +402,8 @@ def run(devices: list[str], tune_args: list[str], report: Report) -> list[Worker
             w.wall_s = time.monotonic() - w.started
             report.drop(lanes[i])
             state = "finished" if w.rc == 0 else f"FAILED (exit code {w.rc})"
-            report.say(f"gpu{w.device} {state}: {_count(len(w.families), 'family', 'families')}, "
-                       f"{_count(w.rungs, 'rung')} tuned, {_seconds(w.wall_s)}")
+            report.say(f"gpu{w.device} {state}: {count(len(w.families), 'family', 'families')}, "
+                       f"{count(w.rungs, 'rung')} tuned, {_seconds(w.wall_s)}")
             running -= 1
             continue
         _apply(w, message, report, lanes[i])
