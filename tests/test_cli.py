@@ -13,20 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import ROOT, tuner
 from tuner.backends.model import PER_TRIAL_ENV
 from tuner.search.ladder import rungs
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tuner(*args, db, check=True, **kw):
-    cmd = [sys.executable, "-m", "tuner.cli", *args, "--db", str(db)]
-    env = {**os.environ, "COLUMNS": "200"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, **kw)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
 
 def count(db, table):
     con = sqlite3.connect(db)

@@ -3,7 +3,6 @@ family, a totals line, nothing to do on a rerun, `--json`), `show` when it
 cuts at --limit, `serve` saying where it listens and what it serves."""
 
 import json
-import os
 import queue
 import re
 import shutil
@@ -13,25 +12,19 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cli import ROOT, tuner as run_tuner
+
 SHAPES = "1,16 1024 1024 name=a\n64 2048 1024 name=b\n"
 # A family line, e.g. "a  9 rungs tuned, map 2 spans, best 1.14x, 0.4 s".
 FAMILY = re.compile(r"^(\S+)  (\d+) rungs? tuned, map (\d+) spans?, best \d+\.\d\dx, \d+(\.\d)? s$")
 
 
 def tuner(*args, db, check=True):
-    # Piped: stdout and stderr are pipes, not terminals.
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
-    proc = subprocess.run([sys.executable, "-m", "tuner.cli", *args, "--db", str(db)], capture_output=True,
-                          text=True, cwd=ROOT, env={**env, "COLUMNS": "80"})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
+    return run_tuner(*args, db=db, check=check, columns=80)
 
 
 def count(db, sql):
