@@ -231,6 +231,8 @@ class GpuBackend:
     """Measure pool configs and cuBLAS on GPU `device_index` (see the module doc)."""
 
     name = "gpu"
+    # Each trial is stored as it is measured: an interrupted key resumes (`Backend.bulk`).
+    bulk = False
 
     def __init__(self, arch: str = "sm90", device_index: int = 0, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, argv: list[str] | None = None,
