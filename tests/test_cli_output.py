@@ -156,7 +156,7 @@ def test_serve_on_a_port_in_use_is_a_one_line_error(tuned):
 
 
 def test_family_lines_read_as_sentences_and_fit_80_columns():
-    from tuner.search.workers import FamilyRecord
+    from tuner.search.progress import FamilyRecord
 
     tuned = FamilyRecord("gemma3-27b.qkv", "tuned", rungs=31, tuned_m=list(range(31)), spans=7, best_speedup=1.2149,
                          seconds=12.3)
@@ -176,8 +176,7 @@ def test_family_lines_read_as_sentences_and_fit_80_columns():
 def test_a_family_two_workers_report_counts_once(capsys):
     from rich.console import Console
 
-    from tuner.search import workers
-    from tuner.search.workers import FamilyRecord, Report
+    from tuner.search.progress import WAIT_NOTE_S, FamilyRecord, Report
 
     report = Report(Console(file=sys.stderr, force_terminal=False))
     with report:
@@ -186,7 +185,7 @@ def test_a_family_two_workers_report_counts_once(capsys):
         report.family(FamilyRecord("a", "current", rungs=3, seconds=0.1), "gpu1 ")
         report.family(FamilyRecord("b", "lost", seconds=5), "gpu0 ")
         report.family(FamilyRecord("b", "tuned", rungs=2, tuned_m=[4, 8], spans=2, seconds=2), "gpu1 ")
-        report._waiting["gpu0 "] = time.monotonic() - workers.WAIT_NOTE_S  # a long one is
+        report._waiting["gpu0 "] = time.monotonic() - WAIT_NOTE_S  # a long one is
         report.wait("gpu0 ", None)
         report.wait("gpu0 ", None)
     report.totals(5)

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kernels.space import ARCHS
 from tuner.key import Key
-from tuner.search.workers import count
+from tuner.search.progress import count
 
 # Plain help (click's): rich's boxed option table leaves its help column
 # about 20 characters wide at 80 columns.
@@ -153,7 +153,8 @@ def tune(
     options = dict(ladder=ladder, force=force, revalidate=revalidate, lease_ttl_s=lease_ttl)
     if worker_events:
         # A worker of `--devices`: its parent shows the progress.
-        from tuner.search.workers import Events, EventSink, Tracker
+        from tuner.search.progress import Tracker
+        from tuner.search.workers import Events, EventSink
 
         events = Events()
         events.emit("start", owner=owner_id(), device_name=bk.device_name, arch=arch)
@@ -161,7 +162,7 @@ def tune(
         tune_families(work, bk, store, budget, **options, on_rung=tracker.on_rung, on_family=tracker.on_family)
         store.close()
         return
-    from tuner.search.workers import Report, ReportSink, Tracker
+    from tuner.search.progress import Report, ReportSink, Tracker
 
     with Report(err_console) as report:
         tracker = Tracker(ReportSink(report))
@@ -187,6 +188,7 @@ def _tune_on_devices(devices: str, options: dict, as_json: bool, entries) -> Non
     shown as one `Report`."""
     from db.engine import resolve_url
     from tuner.search import workers
+    from tuner.search.progress import Report
 
     try:
         visible = workers.parse_devices(devices)
@@ -203,7 +205,7 @@ def _tune_on_devices(devices: str, options: dict, as_json: bool, entries) -> Non
             args.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             args += [flag, str(value)]
-    with workers.Report(err_console) as report:
+    with Report(err_console) as report:
         ran = workers.run(visible, args, report)
     report.totals(len(entries))
     failed = [w for w in ran if w.rc != 0]
