@@ -66,6 +66,7 @@ import torch
 from bench.dynamic_m import capture, families, flush_buffer, m_list, replay_rounds
 from bench.kernels_sm90 import device_slug
 from bench.record import save
+from tuner.backends.gpu_worker import rel_error
 from tuner.backends.measure import trimmed_mean
 from tuner.runtime import dispatch
 
@@ -275,8 +276,7 @@ def run(args: argparse.Namespace) -> dict:
                 for out, graph in ((y, graphs[0]), (y_gemm, graphs[3])):
                     out.zero_()
                     graph.replay()
-                point["rel_err"] = (torch.linalg.vector_norm(y_gemm.float() - y.float())
-                                    / torch.linalg.vector_norm(y.float())).item()
+                point["rel_err"] = rel_error(y_gemm, y.float())
             points.append(point)
         copy_us, read_kernel_us = _us(copy_times), _us(read_times)
         floor_us, floor_from = choose_floor(copy_us, read_kernel_us)
