@@ -5,7 +5,7 @@ patched (`tuner.patch`), eager and under torch.compile.
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024|none] [--decode 1,16] [--steps 64] [--prompt 128]
                         [--rounds 300] [--decode-rounds 20] [--check-rounds 30]
-                        [--modes eager,compiled] [--graphs]
+                        [--modes eager,compiled] [--graphs] [--pdl]
                         [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
@@ -78,6 +78,9 @@ case's callable, eager or compiled, is captured in a CUDA graph on its first
 call (after a warm-up call) and replayed after, its inputs copied into the
 captured ones (`_Graphed`). A replay runs no host code of the model, so
 this is where the kernels' device time reaches the tokens per second.
+`--pdl` patches with the winners' pdl builds (`patch(pdl=True)`: each
+kernel's weight loads start while the kernel before it drains), to tell
+what that is worth inside a step against a run without it.
 Decode at the DRAM floor (8 decoder layers, batches 1, 4 and 16, no prefill
 case; `--models` one at a time fits the GPU machine's limit per command):
 
@@ -87,9 +90,9 @@ case; `--models` one at a time fits the GPU machine's limit per command):
 those it was tuned at, batch 4 among them; a family DB lacks runs cuBLAS in
 both variants); `--tune gpu` (the default) first tunes those keys into it.
 
-Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs][-Nlayers].json` (`$OUT` instead of
-`--out` when set; the suffixes name a subset of models or modes, a layer count
-other than 2, and the file
+Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs][-Nlayers][-pdl].json` (`$OUT`
+instead of `--out` when set; the suffixes name a subset of models or modes, a
+layer count other than 2, pdl builds, and the file
 is rewritten after every case, so a run cut short keeps what it measured):
 per model what the check measured, and per case the tokens/s of each
 variant, the speedup, the errors, and how many linear calls of a forward may
@@ -310,19 +313,21 @@ def _swap(models: dict) -> None:
         return
     done, fresh = models["patched"], models["unpatched"]
     graphs = any(getattr(layer, "tuner_graphs", False) for layer in done.modules())
-    _patch_like(fresh, done, graphs=graphs, compiled=True)
+    pdl = any(getattr(layer, "tuner_pdl", False) for layer in done.modules())
+    _patch_like(fresh, done, graphs=graphs, compiled=True, pdl=pdl)
     unpatch(done)
     models["unpatched"], models["patched"] = done, fresh
 
 
-def _patch_like(model: torch.nn.Module, checked: torch.nn.Module, *, graphs: bool, compiled: bool) -> None:
-    """Patch `model` (`patch(graphs=, compiled=)`) and give its layers the
+def _patch_like(model: torch.nn.Module, checked: torch.nn.Module, *, graphs: bool, compiled: bool,
+                pdl: bool) -> None:
+    """Patch `model` (`patch(graphs=, compiled=, pdl=)`) and give its layers the
     intervals `checked`'s twins were left with (by `patch` and `check`): the
     eager ones, and the compiled ones where `compiled`; a layer left with
     none is an `nn.Linear`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch's warnings are in the record
-        patch(model, graphs=graphs, compiled=compiled)
+        patch(model, graphs=graphs, compiled=compiled, pdl=pdl)
     for name, layer in checked.named_modules():
         if not isinstance(layer, torch.nn.Linear):
             continue
@@ -360,7 +365,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in families])} kernels", file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        patch(tuned, graphs=args.graphs)
+        patch(tuned, graphs=args.graphs, pdl=args.pdl)
         checked = check(tuned, _workload(tuned, args), rounds=args.check_rounds) if args.check_rounds else []
     for c in checked:
         print(f"{name:12s} check {c.n}x{c.k} M={c.m}: calls x{c.speedup:.3f} (2 se {2 * c.log_se:.3f}), "
@@ -371,7 +376,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     roles = {}
     if "eager" in args.modes and not args.graphs:
         eager = copy.deepcopy(model)
-        _patch_like(eager, tuned, graphs=False, compiled=False)
+        _patch_like(eager, tuned, graphs=False, compiled=False, pdl=args.pdl)
         roles = _roles(eager)
     patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -575,7 +580,7 @@ def run(args: argparse.Namespace, checkpoint) -> dict:
     dispatch.configure(args.db)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "db": os.path.basename(args.db),
               "rounds": args.rounds, "decode_rounds": args.decode_rounds, "steps": args.steps,
-              "rel_err_limit": REL_ERR_LIMIT, "models": []}
+              "rel_err_limit": REL_ERR_LIMIT, "pdl": args.pdl, "models": []}
     import transformers
 
     record["transformers"] = transformers.__version__
@@ -629,6 +634,8 @@ def main() -> None:
                         help="eager, compiled or both (comma-separated).")
     parser.add_argument("--graphs", action="store_true",
                         help="Patch for CUDA graphs and replay every case from one (module doc).")
+    parser.add_argument("--pdl", action="store_true",
+                        help="Patch with the winners' pdl builds (`patch(pdl=True)`).")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if not args.prefill and not args.decode:
@@ -644,6 +651,7 @@ def main() -> None:
     which += "" if sorted(args.modes) == ["compiled", "eager"] else "-" + "_".join(args.modes)
     which += "-graphs" if args.graphs else ""
     which += f"-{args.layers}layers" if args.layers != 2 else ""
+    which += "-pdl" if args.pdl else ""
     path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))

@@ -180,6 +180,14 @@ class GemmConfig:
     not the default, "t128x16x128"): at the same shared memory, 128 halves
     the stages and doubles each operand row's run of bytes per load, which
     DRAM streams faster. Configs stored before the knob existed load as 64.
+
+    pdl (sm90): launched as a programmatic dependent of the kernel before
+    it on the stream. Its CTAs start while that kernel drains; the load warp
+    requests the weight's first `stages` k-blocks at once (a weight is never
+    the previous kernel's output) and every other access of global memory
+    waits for that kernel (`griddepcontrol.wait`). Only a caller whose B is
+    a constant weight may run it (`tuner.runtime.patch`), so it is a launch
+    variant of a stored winner, not a knob the search samples (named "pdl").
     """
 
     arch: str = "sm90"
@@ -200,6 +208,7 @@ class GemmConfig:
     swap_ab: bool = False
     l2_hint: str = "normal"
     tile_k: int = TILE_K
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         validate(self)
@@ -283,6 +292,8 @@ class GemmConfig:
             parts.append("ab")
         if self.l2_hint != "normal":
             parts.append("L" + _L2_TAGS[self.l2_hint])
+        if self.pdl:
+            parts.append("pdl")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -320,6 +331,8 @@ class GemmConfig:
                     fields_["consumer"] = "pingpong"
                 elif part == "ab":
                     fields_["swap_ab"] = True
+                elif part == "pdl":
+                    fields_["pdl"] = True
                 elif part[0] == "L" and part[1:] in _L2_NAMES:
                     fields_["l2_hint"] = _L2_NAMES[part[1:]]
                 elif part[0] == "d":
@@ -439,6 +452,8 @@ def validate(cfg: GemmConfig) -> None:
         raise InvalidConfig(f"l2_hint={cfg.l2_hint!r} is not one of {L2_HINTS}")
     if cfg.l2_hint != "normal" and cfg.arch != "sm90":
         raise InvalidConfig(f"l2_hint applies to sm90 TMA loads only, not {cfg.arch}")
+    if cfg.pdl and cfg.arch != "sm90":
+        raise InvalidConfig(f"pdl (programmatic dependent launch) is built for sm90 only, not {cfg.arch}")
 
     # Knobs that do not apply must sit at their neutral value, so that one
     # kernel has exactly one config (no duplicates for the search to time).

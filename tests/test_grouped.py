@@ -246,3 +246,12 @@ def test_too_many_groups_is_refused():
     a, b, offs = _rows_case([1] * g, 64, 64, "tn")
     with pytest.raises(kc.InvalidConfig):
         run(a, b, offs, torch.empty(g, 64, device="cuda", dtype=torch.bfloat16))
+
+
+def test_grouped_kernels_refuse_pdl():
+    """Their B (experts' weights) may be what the kernel before wrote, as a
+    generic grouped `gemm` call cannot vouch otherwise."""
+    from kernels.sm90.grouped import Sm90GroupedGemmKernel
+
+    with pytest.raises(kc.InvalidConfig, match="pdl"):
+        Sm90GroupedGemmKernel.can_implement_grouped(GemmConfig(scheduler=STATIC, pdl=True), "rows")

@@ -122,6 +122,12 @@ OFFLINE = [
     _v(scheduler=SINGLE, tile_m=128, tile_n=16, stages=5, swap_ab=True, l2_hint="b_first", tile_k=128),
     _v("nn", scheduler=DYN, tile_m=128, tile_n=128, stages=3, cluster_m=2, tile_k=128),
     _v(scheduler=SK, tile_m=128, tile_n=256, stages=2, tile_k=128),
+    # Programmatic dependent launch: the weight (A under swap_ab, else B,
+    # multicast too) requested before the wait, under every scheduler.
+    _v(scheduler=STATIC, tile_m=64, tile_n=8, stages=8, swap_ab=True, pdl=True),
+    _v(scheduler=DYN, tile_m=128, tile_n=16, stages=5, split_k=2, swap_ab=True, tile_k=128, pdl=True),
+    _v(scheduler=SK, tile_m=128, tile_n=128, stages=4, cluster_m=2, pdl=True),
+    _v("nn", scheduler=SINGLE, consumer=PP, tile_n=64, cluster_n=2, pdl=True),
 ]
 
 
@@ -165,6 +171,10 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     # Only a cluster's leader claims; others receive over DSMEM.
     assert ("st.async" in k.ptx) == (v.cfg.scheduler in (DYN, SK) and v.cfg.cluster_size > 1)
     assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
+    # pdl: the load warp's wait after its weight prefetch, the scheduler
+    # warp's and the consumers' before they touch global memory; one trigger.
+    assert k.ptx.count("griddepcontrol.wait") == (3 if v.cfg.pdl else 0)
+    assert k.ptx.count("griddepcontrol.launch_dependents") == (1 if v.cfg.pdl else 0)
     # ptxas keeps every thread within its launch share of the register file.
     assert 0 < k.registers <= space.sm90_launch_registers(v.cfg)
     producer, consumer = space.sm90_registers(v.cfg)
@@ -624,3 +634,58 @@ def test_persistent_grids_hold_only_clusters_that_fit_at_once():
     # A cluster must fit in one GPC: whole-GPU division overcounts (H100: 30 of 4, not 33).
     for size in (2, 4):
         assert 0 < kc._clusters_per_wave(0, size) <= sms // size
+
+
+PDL_CONFIGS = [
+    GemmConfig(scheduler=STATIC, tile_m=64, tile_n=8, stages=8, swap_ab=True, pdl=True),
+    GemmConfig(scheduler=DYN, tile_m=128, tile_n=16, stages=5, split_k=2, swap_ab=True, tile_k=128, pdl=True),
+    GemmConfig(scheduler=SK, tile_m=128, tile_n=128, stages=4, cluster_m=2, pdl=True),
+    GemmConfig(scheduler=STATIC, consumer=PP, tile_n=64, cluster_n=2, pdl=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("cfg", PDL_CONFIGS, ids=lambda c: c.name())
+def test_pdl_kernels_read_what_the_kernel_before_wrote(cfg, captured):
+    """A chain of pdl launches, each reading the output of the one before it
+    and writing the buffer that one read (ping-pong between two buffers):
+    only the weights may be read before the previous kernel is done."""
+    runner = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout="tn")
+    m, width, depth = 16, 1024, 6
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weights = [torch.randn(width, width, device="cuda", generator=gen).div_(width ** 0.5).bfloat16()
+               for _ in range(depth)]
+    x0 = torch.randn(m, width, device="cuda", generator=gen).bfloat16()
+    want, h = [], x0
+    for w in weights:
+        h = (h.float() @ w.float().T).bfloat16()
+        want.append(h)
+    bufs = [torch.empty(m, width, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    x = torch.empty_like(x0)
+
+    def chain():
+        x.copy_(x0)
+        src = x
+        for i, w in enumerate(weights):
+            runner(src, w, bufs[i % 2])
+            src = bufs[i % 2]
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        chain()  # first use on this stream: scratch and counters outside capture
+        stream.synchronize()
+        if captured:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                chain()
+    for _ in range(3):
+        for b in bufs:
+            b.fill_(float("nan"))
+        if captured:
+            graph.replay()
+        else:
+            with torch.cuda.stream(stream):
+                chain()
+        torch.cuda.synchronize()
+        assert _rel_err(bufs[(depth - 1) % 2], want[-1].float()) < 2e-2

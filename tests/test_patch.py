@@ -894,8 +894,9 @@ def test_compile_fullgraph_of_a_patched_decoder_layer(tiny):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_cuda_graph_capture_of_a_patched_decode_step(tiny, graphs):
+def test_cuda_graph_capture_of_a_patched_decode_step(tiny, graphs, pdl):
     from transformers import StaticCache
 
     batch, prompt = 4, 16
@@ -927,8 +928,10 @@ def test_cuda_graph_capture_of_a_patched_decode_step(tiny, graphs):
 
     with torch.inference_mode():
         want = replayed_step()
-        with warnings.catch_warnings(), patched(tiny, graphs=graphs):
+        with warnings.catch_warnings(), patched(tiny, graphs=graphs, pdl=pdl):
             _strict()
             got = replayed_step()
-            assert all(m.tuner_launchers for m in tiny.model.layers.modules() if type(m) is TunedLinear)
+            layers = [m for m in tiny.model.layers.modules() if type(m) is TunedLinear]
+            assert all(m.tuner_launchers for m in layers)
+            assert all(run.variant.cfg.pdl == pdl for m in layers for run in m.tuner_launchers.values())
     assert _rel_err(got, want) < 2e-2

@@ -128,6 +128,7 @@ def test_accepted(fields):
         (dict(arch="sm100", consumer="pingpong"), "consumer='pingpong'"),
         (dict(l2_hint="a_first"), "l2_hint='a_first'"),
         (dict(arch="sm100", l2_hint="b_first"), "sm90 TMA loads only"),
+        (dict(arch="sm100", pdl=True), "sm90 only"),
     ],
 )
 def test_rejected(fields, reason):
@@ -243,6 +244,16 @@ def test_round_trip_and_unknown_fields():
     assert GemmConfig.from_name(hinted.name()) == hinted
     with pytest.raises(InvalidConfig, match="unknown config fields"):
         GemmConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_a_pdl_build_is_named_and_loads_as_plain_from_older_records():
+    plain = GemmConfig(scheduler="static_persistent", tile_m=64, tile_n=8, stages=8, swap_ab=True)
+    pdl = replace(plain, pdl=True)
+    assert pdl.name() == plain.name() + "-pdl" and GemmConfig.from_name(pdl.name()) == pdl
+    assert GemmConfig.from_dict(pdl.to_dict()) == pdl
+    assert GemmConfig.from_dict({k: v for k, v in pdl.to_dict().items() if k != "pdl"}) == plain
+    # A launch variant of a winner, not a knob the search samples.
+    assert "pdl" not in space.knobs("sm90")
 
 
 def test_a_stage_of_k_128_is_named_sized_and_checked():

@@ -262,6 +262,7 @@ class Sm90GemmKernel:
             cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.cfg.pdl,
         )
 
     @cute.jit
@@ -335,19 +336,35 @@ class Sm90GemmKernel:
                 sched = TileScheduler.create(self.sched, grid, ring, k_tiles)
                 work = sched.initial_work()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                # k-blocks of the first tile whose weight is already requested.
+                head = Int32(0)
+                if const_expr(self.cfg.pdl):
+                    head = self._prefetch_weight(work, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask,
+                                                 tma_b, tBgB, tBsB, b_mask)
                 while work.is_valid:
                     m, n, l = work.tile
                     k_start, k_count = work.k_range(k_tiles)
                     state = self._load_tile(
                         sched, load_pipe, state, k_start, k_count, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
-                        tma_b, tBgB[(None, n, None, l)], tBsB, b_mask,
+                        tma_b, tBgB[(None, n, None, l)], tBsB, b_mask, head,
                     )
+                    head = Int32(0)
                     work = sched.advance()
+                if const_expr(self.cfg.pdl):
+                    # Every load is issued: a dependent grid may start its own prologue.
+                    cute.arch.griddepcontrol_launch_dependents()
                 load_pipe.producer_tail(state)
             if warp_idx == _SCHED_WARP:
+                if const_expr(self.cfg.pdl):
+                    # The claim counters are the previous kernel's until it is done.
+                    cute.arch.griddepcontrol_wait()
                 TileScheduler.create(self.sched, grid, ring, k_tiles).serve_claims(sched_buf, trace)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            if const_expr(self.cfg.pdl):
+                # The output, the split-K scratch: both may still be the
+                # previous kernel's to read or write.
+                cute.arch.griddepcontrol_wait()
             if const_expr(self.pingpong):
                 self._consume_pingpong(
                     tiled_mma, load_pipe, turns, sA, sB, sC, gC, tma_c, k_tiles, tidx, warp_idx, group_idx,
@@ -560,22 +577,66 @@ class Sm90GemmKernel:
 
     @cute.jit
     def _load_tile(self, sched, load_pipe, state, k_start, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
-                   b_mask):
+                   b_mask, head=None):
         """The load warp's share of one tile: its k-blocks k_start .. k_start +
         k_tiles - 1 of A and B into the ring, between the two claim requests
-        of `sched`; returns the ring state the next tile continues from."""
+        of `sched`; returns the ring state the next tile continues from.
+        With pdl, the first `head` stages hold their weight already
+        (`_prefetch_weight`): only the activations are still to load."""
         sched.request_next(True)
         for kt in range(k_start, k_start + k_tiles):
-            load_pipe.producer_acquire(state)
             bar = load_pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask,
-                      **self._hint(self.a_policy))
-            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask,
-                      **self._hint(self.b_policy))
+            if const_expr(self.cfg.pdl):
+                if kt - k_start >= head:
+                    load_pipe.producer_acquire(state)
+                    self._copy_operand(True, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt,
+                                       state.index, bar)
+                self._copy_operand(False, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt,
+                                   state.index, bar)
+            else:
+                load_pipe.producer_acquire(state)
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask,
+                          **self._hint(self.a_policy))
+                cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask,
+                          **self._hint(self.b_policy))
             load_pipe.producer_commit(state)
             state.advance()
         sched.request_next(False)
         return state
+
+    @cute.jit
+    def _prefetch_weight(self, work, load_pipe, state, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
+                         b_mask) -> Int32:
+        """pdl: the weight's share of the first tile's first stages is
+        requested before the wait on the previous kernel (CUTLASS example 63's
+        weight prefetch), whose output only the activations can be. Returns
+        how many k-blocks that covered; `state` is left where it was."""
+        head = Int32(0)
+        if work.is_valid:
+            m, n, l = work.tile
+            k_start, k_count = work.k_range(k_tiles)
+            head = cutlass.min(k_count, Int32(self.stages))
+            ahead = state.clone()
+            for kt in range(k_start, k_start + head):
+                load_pipe.producer_acquire(ahead)
+                self._copy_operand(True, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
+                                   tma_b, tBgB[(None, n, None, l)], tBsB, b_mask, kt, ahead.index,
+                                   load_pipe.producer_get_barrier(ahead))
+                ahead.advance()
+        cute.arch.griddepcontrol_wait()
+        return head
+
+    @cute.jit
+    def _copy_operand(self, weight: cutlass.Constexpr, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt,
+                      index, bar) -> None:
+        """k-block `kt` of the weight (the caller's b: the kernel's A under
+        swap_ab, else its B) or of the activations into ring stage `index`."""
+        if const_expr(weight == self.swap_ab):
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, index)], tma_bar_ptr=bar, mcast_mask=a_mask,
+                      **self._hint(self.a_policy))
+        else:
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, index)], tma_bar_ptr=bar, mcast_mask=b_mask,
+                      **self._hint(self.b_policy))
 
     @staticmethod
     def _hint(policy: int | None) -> dict:

@@ -63,6 +63,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             raise InvalidConfig("grouped kernels have cooperative consumers only")
         if cfg.tile_k != TILE_K:
             raise InvalidConfig(f"grouped kernels walk K in stages of {TILE_K}")
+        if cfg.pdl:
+            raise InvalidConfig("grouped kernels launch without pdl: their B need not be a constant weight")
 
     # ------------------------------------------------------------------ host side
 

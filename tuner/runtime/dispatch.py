@@ -101,6 +101,8 @@ class _State:
         # to go to a kernel: a repeat call then skips every rule check but
         # pointer alignment.
         self.launchers: dict[tuple, _Launch] = {}
+        # The same for calls whose B is a constant weight (`weight_launcher`).
+        self.weight_launchers: dict[tuple, _Launch] = {}
         self.warned: set[tuple[str, str]] = set()
         self.lock = threading.Lock()
         self.online: bool | None = None  # None: $TUNER_ONLINE decides
@@ -200,6 +202,33 @@ def launcher(a: torch.Tensor, b: torch.Tensor) -> _Launch | None:
     is the kernel alone: `launch.runner(a, stored, out)` takes B as stored
     (`b.mT` where `launch.tn`) and an output, and makes no tensor op."""
     return _state.launchers.get(_signature(a, b, None, None))
+
+
+def weight_launcher(a: torch.Tensor, b: torch.Tensor) -> _Launch | None:
+    """`launcher(a, b)` for a caller whose b is a constant weight (an
+    nn.Linear's, which `patch` passes): the launch of the decided config's
+    programmatic-dependent build (`GemmConfig.pdl`: the weight's first
+    stages are requested while the kernel before it drains), where the pool
+    has one (sm90 dense kernels), else `launcher`'s. Builds it on first use:
+    call it outside CUDA graph capture."""
+    launch = launcher(a, b)
+    variant = getattr(launch.runner, "variant", None) if launch is not None else None
+    if variant is None or variant.grouped or variant.cfg.arch != "sm90" or variant.cfg.pdl:
+        return launch
+    signature = _signature(a, b, None, None)
+    twin = _state.weight_launchers.get(signature)
+    if twin is None:
+        from kernels.compile import get_kernel
+
+        try:
+            with torch.cuda.device(a.device.index):
+                runner = get_kernel(replace(variant.cfg, pdl=True), dtype_in=variant.dtype_in,
+                                    dtype_out=variant.dtype_out, layout=variant.layout)
+            twin = _Launch(runner, launch.tn)
+        except Exception:  # the plain build ran and stays right: keep it
+            twin = launch
+        _state.weight_launchers[signature] = twin
+    return twin
 
 
 # ---------------------------------------------------------------- the call

@@ -141,6 +141,8 @@ class TunedLinear(nn.Linear):
     # Patched for forwards replayed from CUDA graphs (`patch(graphs=True)`):
     # no host cost to cover, and `check` keeps what won on device time.
     tuner_graphs: bool = False
+    # Kept runners are the pdl builds of the winners (`patch(pdl=True)`).
+    tuner_pdl: bool = False
     # The least and largest M of both kinds of interval, times in_features
     # (bounds on the input's numel): most calls fall outside, and in a forward
     # that waits on the host every call's Python counts
@@ -272,7 +274,8 @@ class TunedLinear(nn.Linear):
         else:
             wt = w.t()
             y = dispatch.gemm(x, wt)
-            launch = None if _compiling() else dispatch.launcher(x, wt)
+            launch = None if _compiling() else (
+                dispatch.weight_launcher(x, wt) if self.tuner_pdl else dispatch.launcher(x, wt))
             if launch is not None and launch.tn:  # the runner takes the weight as stored
                 self.tuner_launchers[m] = launch.runner
         if b is not None:
@@ -280,7 +283,8 @@ class TunedLinear(nn.Linear):
         return y if flat else y.view(*input.shape[:-1], self.out_features)
 
 
-def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compiled: bool = True) -> nn.Module:
+def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compiled: bool = True,
+          pdl: bool = False) -> nn.Module:
     """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
     dispatch (module doc); returns `model`. `bias`: layers with a bias too
     (added after the product). `graphs`: the model's forwards are replayed
@@ -291,7 +295,12 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     the model runs eager only, so no interval is kept for compiled graphs
     and a layer without an eager one stays an `nn.Linear` (eager decode
     steps whose patched layers all ran `F.linear` measured up to 0.4 %
-    slower than unpatched ones in `bench.e2e`). Patching a patched
+    slower than unpatched ones in `bench.e2e`). `pdl=True`: the kept eager
+    runners are the winners' programmatic-dependent builds
+    (`dispatch.weight_launcher`), whose weight loads start while the
+    kernel before them drains. Off by default: in 8-layer decode steps
+    replayed from graphs it moved steps by -0.8 % to +0.7 % against the
+    plain builds (`bench.e2e --pdl`), no consistent win. Patching a patched
     model reads the database again. Warns (`PatchWarning`) when no layer
     qualifies, and names the shapes nothing is tuned for."""
     layers, biased = [], False
@@ -322,6 +331,7 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
             layer.__class__ = TunedLinear
             layer.tuner_launchers = {}
             layer.tuner_graphs = graphs
+            layer.tuner_pdl = pdl
             layer.tuner_spans = layer.tuner_compiled_spans = ()
         else:
             _restore(layer)
@@ -776,9 +786,9 @@ def host_us_per_call(paths: dict[str, Callable[[], object]], device: torch.devic
 
 @contextlib.contextmanager
 def patched(model: nn.Module, *, bias: bool = False, graphs: bool = False,
-            compiled: bool = True) -> Iterator[nn.Module]:
-    """`patch(model, bias=bias, graphs=graphs, compiled=compiled)` for the block, `unpatch(model)` after it."""
-    patch(model, bias=bias, graphs=graphs, compiled=compiled)
+            compiled: bool = True, pdl: bool = False) -> Iterator[nn.Module]:
+    """`patch(model, ...)` with these options for the block, `unpatch(model)` after it."""
+    patch(model, bias=bias, graphs=graphs, compiled=compiled, pdl=pdl)
     try:
         yield model
     finally:
