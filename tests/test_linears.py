@@ -221,7 +221,7 @@ def test_the_speedup_standard_error_is_the_trimmed_estimates_own(tail):
 
 
 def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch):
-    """`_patch_like(..., compiled=False)`: the checked copy's eager intervals,
+    """`_patch_like(..., compiled=False, pdl=True)`: the checked copy's eager intervals,
     no compiled ones, and a layer the check left none is an nn.Linear."""
     import copy
     import importlib
@@ -239,8 +239,9 @@ def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch
     checked[0].tuner_spans = ((1, 3),)  # as a check leaves them
     checked[1].tuner_spans = ()  # compiled only
     eager = copy.deepcopy(plain)
-    _patch_like(eager, checked, graphs=False, compiled=False)
+    _patch_like(eager, checked, graphs=False, compiled=False, pdl=True)
     assert (eager[0].tuner_spans, eager[0].tuner_compiled_spans) == (((1, 3),), ())
+    assert eager[0].tuner_pdl
     assert type(eager[1]) is nn.Linear
 
 
