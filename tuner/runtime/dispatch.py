@@ -209,14 +209,16 @@ def weight_launcher(a: torch.Tensor, b: torch.Tensor) -> _Launch | None:
     nn.Linear's, which `patch` passes): the launch of the decided config's
     programmatic-dependent build (`GemmConfig.pdl`: the weight's first
     stages are requested while the kernel before it drains), where the pool
-    has one (sm90 dense kernels), else `launcher`'s. Builds it on first use:
-    call it outside CUDA graph capture."""
+    has one (sm90 dense kernels), else `launcher`'s. Builds it on first use,
+    never during CUDA graph capture (the plain launch answers there)."""
     launch = launcher(a, b)
     variant = getattr(launch.runner, "variant", None) if launch is not None else None
     if variant is None or variant.grouped or variant.cfg.arch != "sm90" or variant.cfg.pdl:
         return launch
     signature = _signature(a, b, None, None)
     twin = _state.weight_launchers.get(signature)
+    if twin is None and torch.cuda.is_current_stream_capturing():
+        return launch
     if twin is None:
         from kernels.compile import get_kernel
 
