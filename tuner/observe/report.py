@@ -197,26 +197,25 @@ def _img(path: Path, alt: str) -> str:
 def _winners_table(winners) -> str:
     if not winners:
         return "<p>No winners stored.</p>"
-    rows = "".join(
-        f"<tr><td>{html.escape(_label(w.name, w.key))}</td><td>{html.escape(w.key['device'])}</td>"
-        f"<td>{html.escape(w.config_name)}</td><td>{w.ms:.4f}</td><td>{w.baseline_ms:.4f}</td>"
-        f"<td>{w.speedup:.2f}</td></tr>"
-        for w in winners
-    )
-    return ("<table><tr><th>key</th><th>device</th><th>winner</th><th>ms</th><th>cuBLAS ms</th>"
-            f"<th>speedup</th></tr>{rows}</table>")
+    return _table(("key", "device", "winner", "ms", "cuBLAS ms", "speedup"), (
+        (_label(w.name, w.key), w.key["device"], w.config_name, f"{w.ms:.4f}", f"{w.baseline_ms:.4f}",
+         f"{w.speedup:.2f}")
+        for w in winners))
 
 
 def _rank_table(rows) -> str:
     if not rows:
         return ""
-    body = "".join(
-        f"<tr><td>{html.escape(_label(s.name, s.key.to_dict()))}</td><td>{html.escape(device)}</td>"
-        f"<td>{len(s.configs)}</td><td>{'-' if math.isnan(rho) else f'{rho:.2f}'}</td></tr>"
-        for device, s, rho in rows
-    )
-    return ("<table><tr><th>key</th><th>device</th><th>configs</th><th>Spearman</th></tr>"
-            f"{body}</table>")
+    return _table(("key", "device", "configs", "Spearman"), (
+        (_label(s.name, s.key.to_dict()), device, str(len(s.configs)), "-" if math.isnan(rho) else f"{rho:.2f}")
+        for device, s, rho in rows))
+
+
+def _table(headers, rows) -> str:
+    """An HTML table of `headers` and `rows` of cell text (escaped here)."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _label(name: str, key: dict) -> str:
