@@ -109,6 +109,8 @@ class Sm90GemmKernel:
         self.ring_words = ClaimRing.storage_words(self.sched)
         self.epi_tile = (cfg.tile_m, epi_subtile_n(cfg))
         self.a_policy, self.b_policy = _load_policies(cfg)
+        # The weight (the caller's b) is the kernel's A under swap_ab, else its B.
+        self.weight_operand, self.activation_operand = ("a", "b") if cfg.swap_ab else ("b", "a")
 
     @staticmethod
     def can_implement(cfg: GemmConfig, layout: str) -> None:
@@ -586,19 +588,16 @@ class Sm90GemmKernel:
         sched.request_next(True)
         for kt in range(k_start, k_start + k_tiles):
             bar = load_pipe.producer_get_barrier(state)
+            operands = (tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt, state.index, bar)
             if const_expr(self.cfg.pdl):
                 if kt - k_start >= head:
                     load_pipe.producer_acquire(state)
-                    self._copy_operand(True, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt,
-                                       state.index, bar)
-                self._copy_operand(False, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt,
-                                   state.index, bar)
+                    self._copy_operand(self.weight_operand, *operands)
+                self._copy_operand(self.activation_operand, *operands)
             else:
                 load_pipe.producer_acquire(state)
-                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask,
-                          **self._hint(self.a_policy))
-                cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask,
-                          **self._hint(self.b_policy))
+                self._copy_operand("a", *operands)
+                self._copy_operand("b", *operands)
             load_pipe.producer_commit(state)
             state.advance()
         sched.request_next(False)
@@ -619,7 +618,7 @@ class Sm90GemmKernel:
             ahead = state.clone()
             for kt in range(k_start, k_start + head):
                 load_pipe.producer_acquire(ahead)
-                self._copy_operand(True, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
+                self._copy_operand(self.weight_operand, tma_a, tAgA[(None, m, None, l)], tAsA, a_mask,
                                    tma_b, tBgB[(None, n, None, l)], tBsB, b_mask, kt, ahead.index,
                                    load_pipe.producer_get_barrier(ahead))
                 ahead.advance()
@@ -627,11 +626,10 @@ class Sm90GemmKernel:
         return head
 
     @cute.jit
-    def _copy_operand(self, weight: cutlass.Constexpr, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt,
+    def _copy_operand(self, operand: cutlass.Constexpr, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask, kt,
                       index, bar) -> None:
-        """k-block `kt` of the weight (the caller's b: the kernel's A under
-        swap_ab, else its B) or of the activations into ring stage `index`."""
-        if const_expr(weight == self.swap_ab):
+        """k-block `kt` of the kernel's A (`operand` "a") or B ("b") into ring stage `index`."""
+        if const_expr(operand == "a"):
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, index)], tma_bar_ptr=bar, mcast_mask=a_mask,
                       **self._hint(self.a_policy))
         else:
