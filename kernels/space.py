@@ -452,6 +452,8 @@ def validate(cfg: GemmConfig) -> None:
         raise InvalidConfig(f"l2_hint={cfg.l2_hint!r} is not one of {L2_HINTS}")
     if cfg.l2_hint != "normal" and cfg.arch != "sm90":
         raise InvalidConfig(f"l2_hint applies to sm90 TMA loads only, not {cfg.arch}")
+    if cfg.pdl not in (False, True):
+        raise InvalidConfig(f"pdl={cfg.pdl!r} is not a bool")
     if cfg.pdl and cfg.arch != "sm90":
         raise InvalidConfig(f"pdl (programmatic dependent launch) is built for sm90 only, not {cfg.arch}")
 

@@ -129,6 +129,7 @@ def test_accepted(fields):
         (dict(l2_hint="a_first"), "l2_hint='a_first'"),
         (dict(arch="sm100", l2_hint="b_first"), "sm90 TMA loads only"),
         (dict(arch="sm100", pdl=True), "sm90 only"),
+        (dict(pdl="yes"), "pdl='yes' is not a bool"),
     ],
 )
 def test_rejected(fields, reason):
