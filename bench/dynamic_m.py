@@ -86,7 +86,17 @@ def families(paths: list[str], only: str) -> dict[tuple[int, int], tuple[str, li
 def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor,
               placements: int = 1) -> dict:
     """ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands,
-    their ratio, and the ratio of cuBLAS to a second capture of itself.
+    their ratio, and the ratio of cuBLAS to a second capture of itself
+    (`time_paths` with the database `dispatch` reads now)."""
+    return time_paths(x, w, rounds, flush, placements)[0]
+
+
+def time_paths(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor,
+               placements: int = 1, dbs: list[str] | None = None) -> list[dict]:
+    """ms of cuBLAS (F.linear's product) and of gemm on cold-L2 operands,
+    their ratio, and the ratio of cuBLAS to a second capture of itself; with
+    `dbs`, one gemm per database (each captured with `dispatch` reading it,
+    all replayed in the same rounds), a dict each.
 
     Ratios are taken round by round (the replays of one round share the
     clocks and the DRAM state) and averaged as a trimmed mean of log ratios;
@@ -106,6 +116,8 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
     is the least of the placements' own ratios.
     """
     graphs, operands = [], []  # the graphs read and write the operands: they must outlive them
+    paths = dbs or [None]
+    size = len(paths) + 2
     for _ in range(placements):
         xp = x.clone()
         out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
@@ -113,22 +125,28 @@ def time_pair(x: torch.Tensor, w: torch.Tensor, rounds: int, flush: torch.Tensor
 
         def cublas(xp=xp, out=out):
             return torch.mm(xp, w.t(), out=out)
-        graphs += [capture(cublas), capture(lambda xp=xp, out=out: dispatch.gemm(xp, w.t(), out)), capture(cublas)]
+        graphs.append(capture(cublas))
+        for db in paths:
+            if db is not None:
+                dispatch.configure(db)
+            graphs.append(capture(lambda xp=xp, out=out: dispatch.gemm(xp, w.t(), out)))
+        graphs.append(capture(cublas))
     times = replay_rounds(graphs, rounds, flush, placements=placements)
 
     def logs(p: int, other: int) -> list[float]:
-        return [math.log(c / o) for c, o in zip(times[3 * p], times[3 * p + other], strict=True)]
+        return [math.log(c / o) for c, o in zip(times[size * p], times[size * p + other], strict=True)]
 
     def ratio(samples: list[float]) -> float:
         return math.exp(trimmed_mean(samples))
     every = range(placements)
-    return {
-        "cublas_ms": trimmed_mean([t for p in every for t in times[3 * p]]),
-        "gemm_ms": trimmed_mean([t for p in every for t in times[3 * p + 1]]),
-        "ratio": ratio([v for p in every for v in logs(p, 1)]),
-        "cublas_again": ratio([v for p in every for v in logs(p, 2)]),
-        "worst_placement": min(ratio(logs(p, 1)) for p in every),
-    }
+    again = ratio([v for p in every for v in logs(p, size - 1)])
+    return [{
+        "cublas_ms": trimmed_mean([t for p in every for t in times[size * p]]),
+        "gemm_ms": trimmed_mean([t for p in every for t in times[size * p + i]]),
+        "ratio": ratio([v for p in every for v in logs(p, i)]),
+        "cublas_again": again,
+        "worst_placement": min(ratio(logs(p, i)) for p in every),
+    } for i in range(1, size - 1)]
 
 
 def flush_buffer(dev: torch.device) -> torch.Tensor:
@@ -191,7 +209,7 @@ def compile_choices(db: str, fams) -> int:
     return compile_many(sorted(cfgs, key=GemmConfig.name), workers=8)
 
 
-def _tuned_m(db: str, n: int, k: int) -> set[int]:
+def tuned_ms(db: str, n: int, k: int) -> set[int]:
     """Every M the family has a winner at: the ladder's rungs and the ones filled in between."""
     from db.store import Store
 
@@ -231,7 +249,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"compiled {compile_choices(args.db, fams)} kernels", file=sys.stderr)
     for (n, k), (name, listed) in fams.items():
         ladder = rungs(listed)
-        tuned = set(ladder) | _tuned_m(args.db, n, k)
+        tuned = set(ladder) | tuned_ms(args.db, n, k)
         w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.25).to(torch.bfloat16)
         fam = {"name": name, "n": n, "k": k, "rungs": ladder, sample: [], "at_rungs": []}
         for kind, ms in ((sample, args.m or random_ms(args.points, args.seed, tuned)), ("at_rungs", ladder)):

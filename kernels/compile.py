@@ -18,6 +18,7 @@ processes that set the target first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -26,7 +27,7 @@ import os
 import struct
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,9 +290,16 @@ def cache_dir() -> Path:
 def _cache_path(v: Variant) -> Path:
     # The sources of the pool are part of the key: an edit invalidates.
     h = hashlib.sha256(json.dumps([v.key(), v.cfg.to_dict()], sort_keys=True).encode())
+    h.update(_sources_digest())
+    return cache_dir() / v.cfg.arch / f"{v.key()}-{h.hexdigest()[:16]}.o"
+
+
+@functools.cache
+def _sources_digest() -> bytes:
+    h = hashlib.sha256()
     for src in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(src.read_bytes())
-    return cache_dir() / v.cfg.arch / f"{v.key()}-{h.hexdigest()[:16]}.o"
+    return h.digest()
 
 
 def _load(path: Path):
@@ -347,21 +355,45 @@ def compile_many(
 
     Returns how many were compiled. Runners created afterwards load from disk.
     """
-    todo = [
-        v for c in cfgs for layout in layouts
-        if not _cache_path(v := Variant(c, dtype_in, dtype_out, layout, grouped)).exists()
-    ]
-    for arch in sorted({v.cfg.arch for v in todo}):
-        batch = [v for v in todo if v.cfg.arch == arch]
-        key = (arch, max(1, workers))
+    futures = submit_many(cfgs, workers, dtype_in=dtype_in, dtype_out=dtype_out, layouts=layouts, grouped=grouped)
+    for future in futures.values():
+        future.result()
+    return len(futures)
+
+
+def submit_many(
+    cfgs: list[GemmConfig],
+    workers: int = 1,
+    *,
+    dtype_in: str = "bf16",
+    dtype_out: str = "bf16",
+    layouts: tuple[str, ...] = ("tn",),
+    grouped: str = "",
+) -> dict[Path, Future]:
+    """Start compiling every (config, layout) missing from the disk cache in
+    the background, `workers` at a time; returns a future per cache file
+    (it raises what the compile raised)."""
+    todo = {
+        path: v for c in cfgs for layout in layouts
+        if not (path := _cache_path(v := Variant(c, dtype_in, dtype_out, layout, grouped))).exists()
+    }
+    futures: dict[Path, Future] = {}
+    for path, v in todo.items():
+        key = (v.cfg.arch, max(1, workers))
         if key not in _pools:
-            _pools[key] = _spawn_pool(key[1], arch)
+            _pools[key] = _spawn_pool(key[1], key[0])
         try:
-            list(_pools[key].map(_compile_to_disk, [(v, _cache_path(v)) for v in batch]))
+            futures[path] = _pools[key].submit(_compile_to_disk, (v, path))
         except BrokenProcessPool:
             _pools.pop(key).shutdown(wait=False)
             raise
-    return len(todo)
+    return futures
+
+
+def cache_path(cfg: GemmConfig, *, dtype_in: str = "bf16", dtype_out: str = "bf16", layout: str = "tn",
+               grouped: str = "") -> Path:
+    """The disk cache file of one compile of `cfg`."""
+    return _cache_path(Variant(cfg, dtype_in, dtype_out, layout, grouped))
 
 
 # compile_many's worker pools live as long as the process: a spawned worker

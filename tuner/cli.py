@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -82,6 +83,10 @@ def tune(
         None, min=1, help="Measured trials per listed key (12/7 as many where cuBLAS takes 0.5 ms or more).",
     ),
     seconds: Optional[float] = typer.Option(None, min=1, help="Time budget per key, in seconds."),
+    budget_s: Optional[float] = typer.Option(
+        None, "--budget-s", min=1,
+        help="Time budget of the whole tune, in seconds: families share it, the largest first; "
+             "those it does not reach stay on cuBLAS."),
     ladder: bool = typer.Option(
         True, help="Also tune every power of two of M up to each family's largest, then measure "
         "where each winner holds (the M map gemm serves from)."),
@@ -110,6 +115,7 @@ def tune(
     (--model). On stderr: in a terminal, a live line per family being tuned
     (M, trials, best speedup so far); a line per family tuned; a totals
     line. `tuner show --family` prints the stored M maps."""
+    from tuner.backends.model import model_source
     from tuner.search.ladder import owner_id, tune_families
     from tuner.runtime.lookup import family_of
     from tuner.search.study import Budget
@@ -134,7 +140,7 @@ def tune(
         if model is not None:
             _fail("--devices tunes a shape file: write the model's with `tuner shapes --from-model` first")
         _tune_on_devices(devices, dict(
-            shapes=str(resolve(shapes)), backend=backend, arch=arch, trials=trials, seconds=seconds,
+            shapes=str(resolve(shapes)), backend=backend, arch=arch, trials=trials, seconds=seconds, budget_s=budget_s,
             ladder=ladder, force=force, revalidate=revalidate, only=only, lease_ttl=lease_ttl, db=db,
         ), as_json, entries)
         return
@@ -144,7 +150,10 @@ def tune(
             _fail(f"{resolve(shapes)}:{e.line}: held={e.problem.carveout}: {bk.device_name} has "
                   f"{bk.sm_count} SMs; hold fewer")
     store = _open(db)
-    budget = Budget(trials=trials or DEFAULT_TRIALS[backend], seconds=seconds)
+    if backend != "model":
+        err_console.print(f"model: {model_source(arch, bk.device_name)}", highlight=False, soft_wrap=True)
+    budget = Budget(trials=trials or DEFAULT_TRIALS[backend], seconds=seconds,
+                    until=time.monotonic() + budget_s if budget_s else None)
     families: dict[tuple, list] = {}
     for entry in entries:
         key = Key(arch, bk.device_name, entry.problem)
@@ -170,7 +179,9 @@ def tune(
     report.totals(len(entries))
     if as_json:
         maps = _run_maps(store, arch, bk.device_name, entries)
-        print(json.dumps({"device": bk.device_name, "arch": arch, **report.to_json(len(entries)),
+        spent = {f"{stage}_s": round(s, 2) for stage, s in getattr(bk, "seconds", {}).items()}
+        print(json.dumps({"device": bk.device_name, "arch": arch, "model": model_source(arch, bk.device_name),
+                          **report.to_json(len(entries)), **spent, "timed": getattr(bk, "timed", None),
                           "maps": [fm.to_json() for fm in maps]}, indent=1))
     store.close()
 
@@ -538,14 +549,24 @@ def calibrate(
     output: Optional[Path] = typer.Option(
         None, "-o", "--output", help="Calibration file to update (default: $TUNER_CALIBRATION, else the "
         "one the package ships)."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Probe this machine's GPU instead (seconds of micro-benchmarks) and store "
+        "its entry."),
+    arch: str = typer.Option("sm90", help="With --quick: the architecture whose model the entry is for."),
     as_json: bool = typer.Option(False, "--json", help="Print the fit and its scores as JSON."),
     db: Optional[str] = DbOption,
 ) -> None:
     """Fit the analytic model's constants to measured trials.
 
-    The trials of one device; the fitted constants are stored."""
+    The trials of one device; the fitted constants are stored. With
+    --quick, the GPU here instead: its driver's figures and a probe of its
+    bandwidth, tensor-core rate and launch cost."""
     from tuner.backends.calibration import calibrate as fit_device, devices, save
     from tuner.backends.model import calibration_path
+
+    if quick:
+        _calibrate_quick(arch, output or calibration_path(), as_json)
+        return
 
     store = _open(db, writer=False)
     found = devices(store)
@@ -571,6 +592,36 @@ def calibrate(
         return
     for cal in results:
         _print_calibration(cal)
+    console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+
+
+def _calibrate_quick(arch: str, path: Path, as_json: bool) -> None:
+    """`calibrate --quick`: probe the local GPU, store its entry at `path`."""
+    from tuner.backends.calibration import quick_entry, save_entry
+    from tuner.backends.model import read_calibrations
+
+    bk = _backend("gpu", arch)
+    try:
+        figures = bk.probe()
+        entry, how = quick_entry(arch, bk.facts, figures, read_calibrations(path))
+        save_entry(path, bk.device_name, entry)
+    except ValueError as exc:
+        _fail(str(exc))
+    finally:
+        bk.close()
+    if as_json:
+        print(json.dumps({"device": bk.device_name, "path": str(path), "how": how, **entry}, indent=1))
+        return
+    facts = entry.get("facts", {})
+    console.print(f"{bk.device_name}: {bk.facts.get('sms')} SMs, L2 {bk.facts.get('l2_bytes', 0) / 2**20:.0f} MiB, "
+                  f"driver peak DRAM {bk.facts.get('hbm_bw') or 0:.3g} B/s", highlight=False)
+    console.print(f"probe ({figures['seconds']:.0f} s): copy {figures['copy_gbps']:.0f} GB/s, "
+                  f"bf16 {figures['mma_tflops']:.0f} TFLOP/s, launch {figures['launch_us']:.2f} us",
+                  highlight=False)
+    if facts:
+        console.print(f"model: {facts['sms']} SMs at {facts['clock_hz'] / 1e9:.2f} GHz, "
+                      f"DRAM {facts['hbm_bw'] / 1e12:.2f} TB/s", highlight=False)
+    console.print(how, highlight=False, soft_wrap=True)
     console.print(f"wrote {path}", highlight=False, soft_wrap=True)
 
 

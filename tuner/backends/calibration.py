@@ -56,7 +56,7 @@ from kernels.space import GemmConfig, InvalidConfig
 from tuner.key import Key
 from tuner.backends.model import (
     CALIBRATION_BOUNDS, CALIBRATION_FORMAT, CALIBRATION_VERSION, DEVICES, MODEL_VERSION, DeviceModel,
-    baseline_ms, predict_ms, read_calibrations,
+    baseline_ms, device_model, predict_ms, read_calibrations,
 )
 
 BASELINE = "cublas"
@@ -309,17 +309,79 @@ def calibrate(store, arch: str, device: str, every: int = HOLDOUT_EVERY) -> Cali
 
 def save(path: Path, cal: Calibration) -> None:
     """Store `cal` as its device's entry of the calibration file at `path`
-    (other devices' entries are kept), atomically."""
-    devices_ = read_calibrations(path)
-    devices_[cal.device] = {
+    (other devices' entries are kept; so are the device's quick-probe
+    figures, which other devices scale from), atomically."""
+    old = read_calibrations(path).get(cal.device, {})
+    save_entry(path, cal.device, {
         "arch": cal.arch,
         "constants": cal.constants,
         "model_version": MODEL_VERSION,
-        "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "fitted_at": _now(),
         "heldout_families": cal.heldout_families,
         "before": {p: asdict(s) for p, s in cal.before.items()},
         "after": {p: asdict(s) for p, s in cal.after.items()},
-    }
+        **{k: old[k] for k in ("probe", "driver") if k in old},
+    })
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def quick_entry(arch: str, driver: dict, probe: dict, calibrations: dict[str, dict]) -> tuple[dict, str]:
+    """The calibration entry `tuner calibrate --quick` stores for the device
+    the driver figures `driver` and the probe figures `probe` describe
+    (`tuner.backends.probe`), and how it was made.
+
+    A device with a fitted entry keeps its constants; the probe figures are
+    added to it, so that other devices of its arch can scale from it. Any
+    other device takes the constants of such a reference (how the pool's
+    kernels behave on the arch: pipeline overheads, exposed shares) and the
+    rates scaled by what the probe measured on both: DRAM bandwidth by the
+    copies' bandwidth, the clock by the tensor-core rate per SM, L2
+    bandwidth with the clock, launch cost by the launches'. Without a
+    reference: the arch's datasheet constants, with the rates the probe
+    measured taken as the ones the model's efficiencies reach.
+    """
+    name = driver["name"]
+    mine = calibrations.get(name)
+    common = {"probe": probe, "driver": driver}
+    if mine is not None and mine.get("source") != "quick" and mine.get("model_version") == MODEL_VERSION:
+        return mine | common, "kept the fitted constants; added the probe figures"
+    refs = [(n, e) for n, e in calibrations.items()
+            if n != name and e.get("arch") == arch and e.get("source") != "quick" and "probe" in e
+            and e.get("model_version") == MODEL_VERSION]
+    base = DEVICES[arch]
+    sms = int(driver.get("sms") or base.sms)
+    facts = {"sms": sms, "l2_bytes": int(driver.get("l2_bytes") or base.l2_bytes),
+             "smem_per_sm": int(driver.get("smem_per_sm") or base.smem_per_sm)}
+    if refs:
+        ref_name, ref = refs[0]
+        ref_model = device_model(arch, ref_name)
+        rp = ref["probe"]
+        clock = ref_model.clock_hz * (probe["mma_tflops"] / sms) / (rp["mma_tflops"] / ref_model.sms)
+        facts |= {"hbm_bw": ref_model.hbm_bw * probe["copy_gbps"] / rp["copy_gbps"], "clock_hz": clock}
+        constants = dict(ref["constants"])
+        constants["l2_bw"] = ref_model.l2_bw * clock / ref_model.clock_hz
+        constants["launch_us"] = ref_model.launch_us * probe["launch_us"] / rp["launch_us"]
+        how = f"scaled from {ref_name}"
+    else:
+        facts |= {"hbm_bw": probe["copy_gbps"] * 1e9 / base.hbm_efficiency,
+                  "clock_hz": probe["mma_tflops"] * 1e12 / (sms * base.flops_per_clk_sm) / base.mma_efficiency}
+        constants = {"launch_us": probe["launch_us"]}
+        how = f"the {arch} datasheet model with the measured rates (no calibrated {arch} device to scale from)"
+    for field, value in constants.items():
+        lo, hi = CALIBRATION_BOUNDS[field]
+        constants[field] = min(hi, max(lo, value))
+    return {"arch": arch, "source": "quick", "facts": facts, "constants": constants,
+            "model_version": MODEL_VERSION, "fitted_at": _now(), "based_on": how, **common}, how
+
+
+def save_entry(path: Path, device: str, entry: dict) -> None:
+    """Store `entry` as `device`'s in the calibration file at `path` (other
+    devices' entries are kept), atomically."""
+    devices_ = read_calibrations(path)
+    devices_[device] = entry
     text = json.dumps({"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
                        "devices": dict(sorted(devices_.items()))}, indent=1)
     path.parent.mkdir(parents=True, exist_ok=True)

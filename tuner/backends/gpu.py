@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,10 +36,13 @@ from kernels.space import TILE_K, GemmConfig, InvalidConfig, check_problem
 from tuner.backends.gpu_worker import CUBLAS_LOOP
 from tuner.key import Key, Problem
 from tuner.backends.measure import Measurement
+from tuner.backends.model import register_facts
 
 # A request's reply must come within this many seconds (compile + check +
 # timing of one config take a few seconds; a hung kernel never replies).
 DEFAULT_TIMEOUT_S = 60.0
+# The quick calibration's probe takes a few seconds.
+PROBE_TIMEOUT_S = 120.0
 # Starting a worker imports torch and creates a CUDA context.
 START_TIMEOUT_S = 180.0
 # Interleaved rounds of `remeasure`: each round replays every candidate once.
@@ -215,6 +219,12 @@ class WorkerProcess:
                     pass
 
 
+def compile_workers() -> int:
+    """Processes compiling ahead: the host's cores but the two that measure
+    (this process and the worker)."""
+    return max(1, (os.cpu_count() or 1) - 2)
+
+
 def worker_argv(device_index: int) -> list[str]:
     return [sys.executable, "-m", "tuner.backends.gpu_worker", "--device", str(device_index)]
 
@@ -256,8 +266,17 @@ class GpuBackend:
             )
         self.device_name: str = hello["device_name"]
         self.sm_count: int = hello["sm_count"]
+        # The driver's figures model this device where no calibration does.
+        self.facts: dict = hello.get("facts") or {}
+        register_facts(self.device_name, self.facts)
         self._versions: dict[str, str] = dict(hello["versions"])
         self._verified: set[tuple[str, Problem]] = set()
+        # Config name -> its background compile (None: it was cached already).
+        self._compiling: dict[str, Future | None] = {}
+        # Wall seconds spent waiting on compiles and on measurements, and
+        # how many candidates were timed (a round of several counts each).
+        self.seconds = {"compile": 0.0, "measure": 0.0}
+        self.timed = 0
 
     @property
     def restarts(self) -> int:
@@ -275,17 +294,46 @@ class GpuBackend:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def prepare(self, cfgs: list[GemmConfig]) -> Measurement:
-        """Compile `cfgs` ahead of measuring them (in parallel where the pool allows)."""
-        if not cfgs:
-            return Measurement(ms=0.0, ok=True)
+    def prepare(self, cfgs: list[GemmConfig]) -> None:
+        """Start compiling `cfgs` in the background, on the host's cores, so
+        that measuring one config overlaps the compiles of the next: a
+        measurement waits only for its own config's compile. A compile that
+        fails is left to the worker, whose measurement then reports it."""
+        import kernels.compile as kc
+
+        for cfg in cfgs:
+            if cfg.name() not in self._compiling:
+                futures = kc.submit_many([cfg], compile_workers())
+                self._compiling[cfg.name()] = next(iter(futures.values()), None)
+
+    def probe(self) -> dict:
+        """The quick calibration's micro-benchmarks (`tuner.backends.probe.measure`)."""
+        reply = self._worker.call({"op": "probe"}, PROBE_TIMEOUT_S)
+        return {k: v for k, v in reply.items() if k != "ok"}
+
+    def _await_compiles(self, cfgs) -> None:
+        """Wait for the background compiles of `cfgs`; the wait counts as compiling."""
+        started = time.perf_counter()
+        for cfg in cfgs:
+            future = self._compiling.get(cfg.name()) if isinstance(cfg, GemmConfig) else None
+            if future is not None:
+                future.exception()
+        self.seconds["compile"] += time.perf_counter() - started
+
+    def _call(self, msg: dict, timeout_s: float) -> dict:
+        """A measuring request; its seconds count as measuring, but for the
+        compiles the worker did itself (a config not compiled ahead)."""
+        started = time.perf_counter()
         try:
-            reply = self._worker.call({"op": "compile", "configs": [c.to_dict() for c in cfgs]},
-                                      self.timeout_s * max(1, len(cfgs)))
-        except WorkerLost as exc:
-            return _failed(str(exc))
-        return Measurement(ms=None, ok=bool(reply.get("ok")), error=reply.get("error"),
-                           detail={k: v for k, v in reply.items() if k not in ("ok", "error")})
+            reply = self._worker.call(msg, timeout_s)
+        finally:
+            self.seconds["measure"] += time.perf_counter() - started
+        results = reply.get("results") or [reply]
+        self.timed += len(results)
+        compiled = sum((r.get("detail") or {}).get("prepare_s", 0.0) for r in results)
+        self.seconds["measure"] -= compiled
+        self.seconds["compile"] += compiled
+        return reply
 
     def measure(self, key: Key, cfg: GemmConfig) -> Measurement:
         refusal = self._refuse(key, cfg)
@@ -315,8 +363,9 @@ class GpuBackend:
                 "configs": [_cfg_json(cfgs[i]) for i in runnable],
                 "check": [not self._is_verified(cfgs[i], p) for i in runnable],
             }
+            self._await_compiles(cfgs)
             try:
-                reply = self._worker.call(msg, self.timeout_s * len(runnable))
+                reply = self._call(msg, self.timeout_s * len(runnable))
                 results = reply.get("results") or [reply] * len(runnable)
                 got = [measurement_from_json(r) for r in results]
             except WorkerLost as exc:
@@ -330,8 +379,9 @@ class GpuBackend:
         p = key.problem
         msg = {"op": "measure", "problem": self._problem_json(p), "config": _cfg_json(cfg),
                "check": not self._is_verified(cfg, p)}
+        self._await_compiles([cfg])
         try:
-            m = measurement_from_json(self._worker.call(msg, self.timeout_s))
+            m = measurement_from_json(self._call(msg, self.timeout_s))
         except WorkerLost as exc:
             m = _failed(str(exc))
         self._note(cfg, p, m)

@@ -6,7 +6,7 @@ line to stdin and reads one reply per line; a reply with `fatal` set means the
 context is gone and the worker exits after sending it. Anything else printed
 (compilers, warnings) goes to stderr: stdout carries the protocol only.
 
-Requests: {"op": "hello"}, {"op": "compile", "configs": [...]},
+Requests: {"op": "hello"}, {"op": "probe"} (`tuner.backends.probe`),
 {"op": "measure", "problem": {...}, "config": {...} | null, "check": bool},
 {"op": "remeasure", "problem": {...}, "configs": [...], "check": [bool, ...],
 "rounds": int}. A null config is the cuBLAS baseline; "cublas_loop" times an
@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from tuner.backends import probe
 from tuner.backends.measure import trimmed_mean
 
 # A 16-bit-input GEMM accumulated in fp32 and rounded to a 16-bit output lands
@@ -298,17 +299,6 @@ def _pool_launch(cfg_dict: dict, p: dict) -> Callable:
     return launch
 
 
-def _compile(configs: list[dict]) -> dict:
-    """Compile ahead of measuring, in parallel worker processes."""
-    import kernels.compile as kc
-    from kernels.space import GemmConfig
-
-    cfgs = [GemmConfig.from_dict(c) for c in configs]
-    started = time.perf_counter()
-    kc.compile_many(cfgs, workers=min(8, os.cpu_count() or 1))
-    return {"ok": True, "compiled": len(cfgs), "seconds": time.perf_counter() - started}
-
-
 # ---------------------------------------------------------------- timing
 
 
@@ -485,8 +475,11 @@ class Worker:
         return {
             "ok": True, "device_name": p.name, "capability": [p.major, p.minor],
             "sm_count": p.multi_processor_count, "l2_bytes": self.l2_bytes,
-            "versions": versions(p.name), "torch_cuda": torch.version.cuda,
+            "versions": versions(p.name), "torch_cuda": torch.version.cuda, "facts": probe.facts(self.device),
         }
+
+    def probe(self, _req: dict) -> dict:
+        return {"ok": True, **probe.measure()}
 
     def _launch(self, cfg: dict | str | None, p: dict) -> Callable:
         if cfg is None or cfg == CUBLAS_LOOP:
@@ -641,8 +634,7 @@ def _driver_version() -> str:
 
 
 def serve(worker: Worker, lines, reply: Callable[[dict], None]) -> None:
-    ops = {"hello": worker.hello, "measure": worker.measure, "remeasure": worker.remeasure,
-           "compile": lambda req: _compile(req["configs"])}
+    ops = {"hello": worker.hello, "measure": worker.measure, "remeasure": worker.remeasure, "probe": worker.probe}
     for line in lines:
         if not line.strip():
             continue

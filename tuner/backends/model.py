@@ -323,6 +323,16 @@ def calibration_path() -> Path:
     return Path(os.environ.get(CALIBRATION_ENV) or _SHIPPED_CALIBRATION)
 
 
+def calibration_stamp() -> tuple[str, int]:
+    """The calibration file in effect and its modification time: what a
+    cache of model results must key on."""
+    path = calibration_path()
+    try:
+        return str(path), path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return str(path), 0
+
+
 def device_model(arch: str, device: str | None = None) -> DeviceModel:
     """The model of `device` (a device name as keys store it): the arch's
     datasheet model with the constants calibrated for that device, if any."""
@@ -333,8 +343,35 @@ def device_model(arch: str, device: str | None = None) -> DeviceModel:
     # in this one (the file's format is the same): the datasheet model until
     # the device is calibrated again.
     if entry is None or entry["arch"] != arch or entry.get("model_version") != MODEL_VERSION:
-        return DEVICES[arch]
-    return replace(DEVICES[arch], name=device, **entry["constants"])
+        facts = _live_facts.get(device) if device else None
+        return replace(DEVICES[arch], name=device, **facts) if facts else DEVICES[arch]
+    return replace(DEVICES[arch], name=device, **entry.get("facts", {}), **entry["constants"])
+
+
+# What a device that runs the model's datasheet defaults may replace: the
+# driver's figures (`tuner.backends.probe.facts`), or a quick calibration's.
+FACT_FIELDS = ("sms", "clock_hz", "hbm_bw", "l2_bytes", "smem_per_sm")
+# Facts of devices this process measures that have no calibration entry
+# (`register_facts`): their model is the datasheet's with these.
+_live_facts: dict[str, dict] = {}
+
+
+def register_facts(device: str, facts: dict) -> None:
+    """Model `device` (without a calibration entry) with the driver's `facts`."""
+    _live_facts[device] = {f: facts[f] for f in FACT_FIELDS if facts.get(f)}
+
+
+def model_source(arch: str, device: str) -> str:
+    """Which model `device_model(arch, device)` gives, in a few words."""
+    entry = _calibrations(calibration_path()).get(device)
+    if entry is not None and entry["arch"] == arch and entry.get("model_version") == MODEL_VERSION:
+        kind = "quick calibration" if entry.get("source") == "quick" else "fitted calibration"
+        return f"{kind} of {device} ({str(entry.get('fitted_at', ''))[:10]})"
+    if device == DEVICES[arch].name:
+        return f"{device} (the {arch} datasheet model)"
+    if device in _live_facts:
+        return f"{DEVICES[arch].name} with the driver's figures of {device} (not calibrated)"
+    return f"{DEVICES[arch].name} (not calibrated for {device})"
 
 
 def read_calibrations(path: Path) -> dict[str, dict]:
@@ -358,6 +395,11 @@ def read_calibrations(path: Path) -> dict[str, dict]:
         where = f"{path}: devices.{name}"
         if entry.get("arch") not in DEVICES:
             raise ValueError(f"{where}.arch: expected one of {tuple(DEVICES)}")
+        for field, value in entry.get("facts", {}).items():
+            if field not in FACT_FIELDS:
+                raise ValueError(f"{where}.facts.{field}: not a device fact of the model")
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{where}.facts.{field}: must be a positive number")
         for field, value in entry.get("constants", {}).items():
             if field not in CALIBRATION_BOUNDS:
                 raise ValueError(f"{where}.constants.{field}: not a calibrated constant of the model")

@@ -40,7 +40,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from db.store import Store
@@ -49,7 +49,8 @@ from tuner.key import Key
 from tuner.runtime.lookup import BASELINE, family_id, family_of
 from tuner.backends.measure import Backend, slow_spell
 from tuner.search.study import (
-    Budget, Outcome, Tick, compile_ahead, drawable, hint_variant, model_picks, scheduler_variant, swap_seeds, tune_key,
+    Budget, Outcome, Tick, compile_ahead, drawable, few_row_seeds, first_configs, hint_variant, model_picks,
+    scheduler_variant, tune_key,
 )
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
@@ -76,6 +77,13 @@ STEADY_TRIES = 2
 # Configs a rung between listed ones measures beside its neighbours' winners:
 # the model's best shapes for that M.
 RUNG_MODEL_PICKS = 2
+# A rung whose neighbours' common winner beat cuBLAS by at least this much at
+# both is settled: measured against cuBLAS, not searched (`_settled`).
+SETTLED_MARGIN = 1.03
+# A family tuned under a deadline (`Budget.until`) gives its listed keys
+# this share of its time and keeps MAP_SHARE of it for validation.
+LISTED_SHARE = 0.5
+MAP_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,9 @@ class FamilyOutcome:
     validated: bool
     # Wall seconds per stage: "listed" keys, "ladder" rungs, "fill" rungs, "map" validation.
     seconds: dict[str, float]
+    # Rungs a deadline left out (`Budget.until`): validation covers their M
+    # with the winners of the rungs around them.
+    unreached: tuple[int, ...] = ()
 
     @property
     def tuned(self) -> int:
@@ -131,34 +142,59 @@ def tune_family(
         seconds[stage] = round(now - clock, 1)
         clock = now
 
-    for m in sorted(by_m):
-        outcomes[m] = tune_key(by_m[m], backend, store, budget, name=name, force=force,
-                               on_trial=on_rung and on_rung(by_m[m], True))
-    lap("listed")
     template = keys[0]
+    ladder_ms = [m for m in rungs(list(by_m)) if m not in by_m] if ladder else []
+    if backend.name != "model":
+        # Compile every key's and rung's first candidates on the host's
+        # cores while the first keys are measured.
+        ahead = [c for m in sorted(by_m) for c in first_configs(by_m[m])]
+        ahead += [c for m in ladder_ms for c in _rung_picks(template.with_m(m))]
+        compile_ahead(backend, list(dict.fromkeys(ahead)))
+    # Under a deadline: the listed keys share LISTED_SHARE of the family's
+    # time, the rungs the rest but MAP_SHARE, which validation keeps.
+    listed_budget = budget.share(LISTED_SHARE)
+    for i, m in enumerate(sorted(by_m)):
+        outcomes[m] = tune_key(by_m[m], backend, store, listed_budget.share(1 / (len(by_m) - i)), name=name,
+                               force=force, on_trial=on_rung and on_rung(by_m[m], True))
+    lap("listed")
+    rung_budget = budget.share(1 - MAP_SHARE)
+    unreached: list[int] = []
 
-    def tune_rung(m: int, variants: bool) -> Outcome:
+    def tune_rung(m: int, variants: bool, left: int) -> Outcome:
         key = template.with_m(m)
         seeds = _neighbour_configs(outcomes, m)
-        if backend.name != "model":
-            picks = model_picks(key, RUNG_MODEL_PICKS) + swap_seeds(key) + swap_seeds(key, split=True)
-            seeds += [c for c in picks if c not in seeds]
+        settled = _settled(outcomes, m)
+        if settled:
+            # Both neighbours won with one config: the rung checks it against
+            # cuBLAS and the few-row seeds, which cost a few microseconds
+            # each; validation measures it between the rungs anyway.
+            seeds = [settled] + [c for c in few_row_seeds(key) if c != settled]
+            variants = False
+        elif backend.name != "model":
+            seeds += [c for c in _rung_picks(key) if c not in seeds]
         seeds = [c for c in seeds if key.problem.runs(c)]
         return tune_key(
-            key, backend, store, Budget(trials=max(1, sum(map(drawable, seeds))), seconds=budget.seconds),
+            key, backend, store,
+            replace(rung_budget.share(1 / left), trials=max(1, sum(map(drawable, seeds)))),
             name=name, force=force, on_trial=on_rung and on_rung(key, False), seeds=seeds, explore=False,
             variants=variants,
         )
 
     if ladder:
-        for m in rungs(list(by_m)):
-            if m not in outcomes:
-                outcomes[m] = tune_rung(m, variants=True)
+        for i, m in enumerate(ladder_ms):
+            if rung_budget.left() <= 0:
+                unreached += ladder_ms[i:]
+                break
+            outcomes[m] = tune_rung(m, variants=True, left=len(ladder_ms) - i)
         lap("ladder")
         # A fill rung's seeds are the winners of the rungs around it, whose
         # neighbouring variants were measured already.
-        for m in _fill_rungs(outcomes):
-            outcomes[m] = tune_rung(m, variants=False)
+        fill = _fill_rungs(outcomes)
+        for i, m in enumerate(fill):
+            if rung_budget.left() <= 0:
+                unreached += fill[i:]
+                break
+            outcomes[m] = tune_rung(m, variants=False, left=len(fill) - i)
         lap("fill")
     fresh = any(not o.skipped for o in outcomes.values())
     family = family_of(template)
@@ -166,13 +202,13 @@ def tune_family(
     current = [r for r in store.ranges(**family) if r.source == "ladder" and not r.stale(versions)]
     covered = current and min(r.m_lo for r in current) <= min(outcomes) and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
-        return FamilyOutcome(outcomes, [], validated=False, seconds=seconds)
+        return FamilyOutcome(outcomes, [], validated=False, seconds=seconds, unreached=tuple(unreached))
     points = _steady(template, _measure_points(template, outcomes, backend), backend)
     ranges = build_map(_steady(template, _refine(template, points, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
     lap("map")
-    return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds)
+    return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds, unreached=tuple(unreached))
 
 
 def remap(store: Store) -> list[tuple[dict, list, list[dict]]]:
@@ -247,16 +283,25 @@ def tune_families(
     long compile or validation included), so only a holder that died or hangs
     loses it; one that finds it lost stops the family (`LeaseLost`) and goes on.
     `on_family(name, event, outcome)` hears "take", "done" (with the family's
-    outcome), "current" (another process had done it all), "lost" and "wait"
-    (nothing free: every pending family is held by others); the outcome is
-    None but for "done" and "current"."""
+    outcome), "current" (another process had done it all), "lost", "wait"
+    (nothing free: every pending family is held by others) and "unreached"
+    (`budget.until` passed before it was taken); the outcome is None but for
+    "done" and "current"."""
     owner = owner_id()
     ttl = lease_ttl_s or LEASE_TTL_S
     pending = list(families)
+    if budget.until is not None:
+        pending.sort(key=lambda item: -_gemm_ms(item[1]))
     while pending:
         took = False
         for item in list(pending):
             name, keys = item
+            if budget.left() <= 0:
+                # Out of time: the families not started stay on cuBLAS.
+                if on_family:
+                    on_family(name, "unreached", None)
+                pending.remove(item)
+                continue
             lease = f"family:{backend.name}:{backend.versions()}:{_family_tuple(keys[0])}"[:512]
             if not store.acquire(lease, owner, ttl, dead=_died_here):
                 continue
@@ -265,7 +310,9 @@ def tune_families(
                 on_family(name, "take", None)
             beat = _Heartbeat(store, lease, owner, ttl)
             try:
-                outcome = tune_family(keys, backend, store, budget, name=name, ladder=ladder, force=force,
+                # Each family not yet started gets an equal share of the time left.
+                outcome = tune_family(keys, backend, store, budget.share(1 / len(pending)), name=name,
+                                      ladder=ladder, force=force,
                                       revalidate=revalidate, on_rung=beat.watching(on_rung))
             except LeaseLost:
                 if on_family:
@@ -281,6 +328,14 @@ def tune_families(
             if on_family:
                 on_family(pending[0][0], "wait", None)
             time.sleep(WAIT_S)
+
+
+def _gemm_ms(keys: Sequence[Key]) -> float:
+    """The modelled cuBLAS time of a family's listed keys: under a deadline
+    the families that hold the most GEMM time are tuned first."""
+    from tuner.backends.model import baseline_ms
+
+    return sum(baseline_ms(k) for k in keys)
 
 
 def owner_id() -> str:
@@ -353,6 +408,26 @@ def _fill_rungs(outcomes: dict[int, Outcome]) -> list[int]:
     wins = {m for m in ms if outcomes[m].winner.config and outcomes[m].winner.speedup >= HOLD_MARGIN}
     gaps = [(lo, hi) for lo, hi in zip(ms, ms[1:]) if lo in wins or hi in wins]
     return [mid for lo, hi in gaps if lo < (mid := round(math.sqrt(lo * hi))) < hi]
+
+
+def _rung_picks(key: Key) -> list[GemmConfig]:
+    """What a rung measures beside its neighbours' winners."""
+    return model_picks(key, RUNG_MODEL_PICKS) + few_row_seeds(key)
+
+
+def _settled(outcomes: dict[int, Outcome], m: int) -> GemmConfig | None:
+    """The config that won at the nearest tuned M on both sides of `m` by
+    SETTLED_MARGIN or more over cuBLAS, if one did."""
+    below = [t for t in outcomes if t < m]
+    above = [t for t in outcomes if t > m]
+    if not below or not above:
+        return None
+    lo, hi = outcomes[max(below)].winner, outcomes[min(above)].winner
+    if lo.config is None or lo.config_name != hi.config_name:
+        return None
+    if min(lo.speedup, hi.speedup) < SETTLED_MARGIN:
+        return None
+    return GemmConfig.from_dict(lo.config)
 
 
 def _neighbour_configs(outcomes: dict[int, Outcome], m: int) -> list[GemmConfig]:

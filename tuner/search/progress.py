@@ -45,6 +45,9 @@ def seconds_text(s: float) -> str:
     return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
 
 
+STATES = ("tuned", "remapped", "current", "lost", "unreached")
+
+
 @dataclass
 class FamilyRecord:
     """One family of a tune: its summary line and its `--json` entry."""
@@ -52,7 +55,8 @@ class FamilyRecord:
     name: str
     # "tuned" (rungs measured, map built), "remapped" (its rungs current, its
     # map measured again), "current" (nothing to do) or "lost" (its lease
-    # expired mid-tune: another process finishes it).
+    # expired mid-tune: another process finishes it) or "unreached" (the
+    # tune's time budget ran out first: it stays on cuBLAS).
     state: str
     rungs: int = 0                  # its listed keys and ladder rungs
     tuned_m: list[int] = field(default_factory=list)  # the M measured anew
@@ -60,20 +64,21 @@ class FamilyRecord:
     best_speedup: float | None = None  # the best winner's, over cuBLAS
     seconds: float = 0.0
     worker: str | None = None       # `--devices`: the GPU whose worker took it
+    unreached_m: list[int] = field(default_factory=list)  # rungs the time budget left out
 
     @classmethod
     def from_outcome(cls, name: str, state: str, outcome, seconds: float) -> FamilyRecord:
         """From `tune_families`' `on_family(name, state, outcome)`; a lost
         family has no outcome."""
         if outcome is None:
-            return cls(name, "lost", seconds=round(seconds, 2))
+            return cls(name, state, seconds=round(seconds, 2))
         winners = [o.winner for o in outcome.rungs.values() if o.winner is not None]
         tuned = sorted(m for m, o in outcome.rungs.items() if not o.skipped)
         return cls(
             name, "current" if state == "current" else "tuned" if tuned else "remapped",
             rungs=len(outcome.rungs), tuned_m=tuned, spans=len(outcome.ranges) if outcome.validated else None,
             best_speedup=round(max(w.speedup for w in winners), 4) if winners else None,
-            seconds=round(seconds, 2),
+            seconds=round(seconds, 2), unreached_m=list(outcome.unreached),
         )
 
     @classmethod
@@ -92,6 +97,8 @@ class FamilyRecord:
         figures go on an indented line of their own."""
         if self.state == "lost":
             body = f"lost its lease after {seconds_text(self.seconds)}: another process finishes it"
+        elif self.state == "unreached":
+            body = "not reached in the time budget: left on cuBLAS"
         elif self.state == "current":
             body = f"current ({count(self.rungs, 'rung')})"
         else:
@@ -102,6 +109,8 @@ class FamilyRecord:
             else:
                 parts = [count(n, "rung") + " tuned" if n == self.rungs else f"{n} of {self.rungs} rungs tuned",
                          f"map {spans}"]
+            if self.unreached_m:
+                parts.append(f"{count(len(self.unreached_m), 'rung')} out of time")
             if self.best_speedup is not None:
                 parts.append(f"best {self.best_speedup:.2f}x")
             body = ", ".join(parts + [seconds_text(self.seconds)])
@@ -215,7 +224,7 @@ class Report:
         if n and states["current"] == n:
             text = f"nothing to do: {count(n, 'family', 'families')} current ({count(keys, 'key')})"
         else:
-            told = ", ".join(f"{states[s]} {s}" for s in ("tuned", "remapped", "current", "lost") if states[s])
+            told = ", ".join(f"{states[s]} {s}" for s in STATES if states[s])
             text = (f"{count(keys, 'key')}, {count(n, 'family', 'families')}" + (f" ({told})" if told else "")
                     + f", {count(rungs, 'rung')} tuned, {seconds_text(seconds)}")
         self.say(text)
@@ -226,7 +235,7 @@ class Report:
         return {
             "families": [r.to_json() for r in self.records],
             "totals": {"keys": keys, "families": len(self.records),
-                       **{s: states[s] for s in ("tuned", "remapped", "current", "lost")},
+                       **{s: states[s] for s in STATES},
                        "rungs_tuned": rungs, "seconds": round(seconds, 2)},
         }
 
@@ -258,7 +267,7 @@ class Tracker:
             self.sink.take()
         elif state == "wait":
             self.sink.wait()
-        elif state in ("done", "current", "lost"):
+        elif state in ("done", "current", "lost", "unreached"):
             label = self._label
             if label is None:
                 label = family_label(name, next(iter(outcome.rungs.values())).key) if outcome else name or "-"

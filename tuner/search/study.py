@@ -89,8 +89,29 @@ warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning
 
 @dataclass(frozen=True)
 class Budget:
+    """Trials per key; optionally seconds per key, and `until`, a
+    `time.monotonic()` instant by which the work this budget is given
+    should be done (`tuner tune --budget-s`)."""
+
     trials: int = 40
     seconds: float | None = None
+    until: float | None = None
+
+    def timeout(self) -> float | None:
+        """Seconds a key's search may take from now (None: no limit)."""
+        limits = [t for t in (self.seconds, self.until and max(0.0, self.until - time.monotonic())) if t is not None]
+        return min(limits) if limits else None
+
+    def share(self, fraction: float) -> Budget:
+        """This budget with `until` moved to `fraction` of the time left (as is, without one)."""
+        if self.until is None:
+            return self
+        now = time.monotonic()
+        return replace(self, until=now + max(0.0, self.until - now) * fraction)
+
+    def left(self) -> float:
+        """Seconds to `until` (infinite without one)."""
+        return math.inf if self.until is None else self.until - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -226,6 +247,7 @@ def tune_key(
         return row.ms
 
     started = time.monotonic()
+    timeout = budget.timeout()
 
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
 
@@ -241,13 +263,16 @@ def tune_key(
         count += trial.state in finished
         if on_trial:
             on_trial(Tick(min(count, trials), trials, best_speedup()))
-        if count >= trials or budget.seconds and time.monotonic() - started > budget.seconds:
+        # Out of time, the seeds still queued are measured: they are the
+        # candidates the model and the neighbours rank first.
+        late = timeout is not None and time.monotonic() - started > timeout
+        if count >= trials or late and not study_.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
             study_.stop()
 
     remaining = trials - count
     if remaining > 0:
         study.optimize(
-            objective, n_trials=remaining * MAX_SAMPLES_PER_TRIAL, timeout=budget.seconds,
+            objective, n_trials=remaining * MAX_SAMPLES_PER_TRIAL,
             catch=(_Failed,), callbacks=[stop_when_spent],
         )
     if on_trial:
@@ -528,9 +553,7 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     key, the swap_ab seeds of a few-row key, then the winners of the nearest
     tuned keys."""
     p = key.problem
-    candidates = list(space.defaults(arch).values())
-    candidates += _wave_fit_configs(key)
-    candidates += swap_seeds(key) + swap_seeds(key, split=True)
+    candidates = _fixed_seeds(key)
     near = store.winners(
         limit=10_000, arch=key.arch, device=key.device, dtype_in=p.dtype_in,
         dtype_out=p.dtype_out, layout=p.layout,
@@ -549,6 +572,28 @@ def _warm_start(key: Key, store: Store, arch: str) -> list[GemmConfig]:
     out = []
     for cfg in candidates:
         if p.runs(cfg) and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _fixed_seeds(key: Key) -> list[GemmConfig]:
+    """The warm start's configs that follow from the key alone (`_warm_start`)."""
+    return (list(space.defaults(key.arch).values()) + _wave_fit_configs(key)
+            + few_row_seeds(key))
+
+
+def few_row_seeds(key: Key) -> list[GemmConfig]:
+    """`swap_seeds` whole and split in K."""
+    return swap_seeds(key) + swap_seeds(key, split=True)
+
+
+def first_configs(key: Key) -> list[GemmConfig]:
+    """What a measured search of `key` starts from, but for the nearest tuned
+    keys' winners (compiled already): a family compiles these for all its
+    keys ahead of measuring the first."""
+    out = []
+    for cfg in _fixed_seeds(key) + model_picks(key):
+        if key.problem.runs(cfg) and cfg not in out:
             out.append(cfg)
     return out
 
@@ -643,6 +688,18 @@ def _cta_pair(arch: str, tile_m: int) -> dict:
 
 
 def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
+    """The `count` configs the analytic model predicts fastest for `key`
+    (`_model_picks`)."""
+    from tuner.backends.model import calibration_stamp
+
+    return list(_model_picks(key, count, calibration_stamp()))
+
+
+# A family's tune asks for a key's picks twice (compiling ahead, then
+# searching), and ranking every shape takes a third of a second. The
+# calibration in effect is part of the cache's key.
+@functools.lru_cache(maxsize=1024)
+def _model_picks(key: Key, count: int, _calibration: tuple) -> tuple[GemmConfig, ...]:
     """The `count` configs the analytic model predicts fastest for `key`, best
     first, one per tile, split-K, consumer and swap_ab shape (with its best cluster):
     the model ranks shapes better than it ranks schedulers, and the search
@@ -680,7 +737,7 @@ def model_picks(key: Key, count: int = MODEL_PICKS) -> list[GemmConfig]:
         if shape not in shapes and len(out) < count:
             shapes.add(shape)
             out.append(cfg)
-    return out
+    return tuple(out)
 
 
 def _scored(key: Key, combos) -> list[tuple[float, GemmConfig]]:
@@ -709,6 +766,12 @@ def _scored(key: Key, combos) -> list[tuple[float, GemmConfig]]:
 
 def _deepest(fields: dict) -> GemmConfig | None:
     """`fields` with the most pipeline stages (and accumulator stages) that are valid."""
+    return _deepest_of(tuple(sorted(fields.items())))
+
+
+@functools.lru_cache(maxsize=65536)
+def _deepest_of(items: tuple) -> GemmConfig | None:
+    fields = dict(items)
     knobs = space.knobs(fields["arch"])
     for acc in sorted(knobs["acc_stages"], reverse=True):
         for stages in sorted(knobs["stages"], reverse=True):
