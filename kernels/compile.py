@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import struct
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -355,39 +356,86 @@ def compile_many(
 
     Returns how many were compiled. Runners created afterwards load from disk.
     """
-    futures = submit_many(cfgs, workers, dtype_in=dtype_in, dtype_out=dtype_out, layouts=layouts, grouped=grouped)
-    for future in futures.values():
-        future.result()
-    return len(futures)
-
-
-def submit_many(
-    cfgs: list[GemmConfig],
-    workers: int = 1,
-    *,
-    dtype_in: str = "bf16",
-    dtype_out: str = "bf16",
-    layouts: tuple[str, ...] = ("tn",),
-    grouped: str = "",
-) -> dict[Path, Future]:
-    """Start compiling every (config, layout) missing from the disk cache in
-    the background, `workers` at a time; returns a future per cache file
-    (it raises what the compile raised)."""
-    todo = {
-        path: v for c in cfgs for layout in layouts
-        if not (path := _cache_path(v := Variant(c, dtype_in, dtype_out, layout, grouped))).exists()
-    }
-    futures: dict[Path, Future] = {}
-    for path, v in todo.items():
-        key = (v.cfg.arch, max(1, workers))
-        if key not in _pools:
-            _pools[key] = _spawn_pool(key[1], key[0])
+    todo = [
+        v for c in cfgs for layout in layouts
+        if not _cache_path(v := Variant(c, dtype_in, dtype_out, layout, grouped)).exists()
+    ]
+    for arch in sorted({v.cfg.arch for v in todo}):
+        batch = [v for v in todo if v.cfg.arch == arch]
+        pool = _pool(arch, max(1, workers))
         try:
-            futures[path] = _pools[key].submit(_compile_to_disk, (v, path))
+            list(pool.map(_compile_to_disk, [(v, _cache_path(v)) for v in batch]))
         except BrokenProcessPool:
-            _pools.pop(key).shutdown(wait=False)
+            _pools.pop((arch, max(1, workers))).shutdown(wait=False)
             raise
-    return futures
+    return len(todo)
+
+
+class CompileQueue:
+    """Compiles to the disk cache in the background, `workers` at a time,
+    in the order asked for, but a config someone waits for goes first: a
+    tune queues a family's candidates up front, and the one it is about to
+    measure must not wait behind them."""
+
+    def __init__(self, workers: int, *, dtype_in: str = "bf16", dtype_out: str = "bf16", layout: str = "tn"):
+        self.workers = max(1, workers)
+        self._variant = functools.partial(Variant, dtype_in=dtype_in, dtype_out=dtype_out, layout=layout)
+        self._waiting: list[tuple[Variant, Path]] = []
+        self._running: set[Path] = set()
+        self._cond = threading.Condition(threading.RLock())
+
+    def submit(self, cfgs: list[GemmConfig]) -> None:
+        """Queue the configs of `cfgs` neither cached nor queued yet."""
+        with self._cond:
+            queued = self._running | {path for _, path in self._waiting}
+            for cfg in cfgs:
+                v = self._variant(cfg)
+                path = _cache_path(v)
+                if path not in queued and not path.exists():
+                    self._waiting.append((v, path))
+                    queued.add(path)
+            self._feed()
+
+    def wait(self, cfg: GemmConfig) -> None:
+        """Return once `cfg` is compiled or failed to (or was never queued),
+        compiling it next if it is still waiting its turn."""
+        path = _cache_path(self._variant(cfg))
+        with self._cond:
+            for i, (_, queued) in enumerate(self._waiting):
+                if queued == path:
+                    self._waiting.insert(0, self._waiting.pop(i))
+                    self._feed(urgent=True)
+                    break
+            self._cond.wait_for(lambda: path not in self._running and all(p != path for _, p in self._waiting))
+
+    def _feed(self, urgent: bool = False) -> None:
+        # `urgent`: the head goes to the pool now, ahead of the worker that
+        # frees first (the pool queues it) rather than after it.
+        while self._waiting and (urgent or len(self._running) < self.workers):
+            urgent = False
+            v, path = self._waiting.pop(0)
+            try:
+                future = _pool(v.cfg.arch, self.workers).submit(_compile_to_disk, (v, path))
+            except BrokenProcessPool:
+                # A compiler process died: a fresh pool takes the next; this
+                # one is left to whoever loads it (and reports its error).
+                _pools.pop((v.cfg.arch, self.workers)).shutdown(wait=False)
+                continue
+            self._running.add(path)
+            future.add_done_callback(functools.partial(self._finished, path))
+
+    def _finished(self, path: Path, _future: Future) -> None:
+        with self._cond:
+            self._running.discard(path)
+            self._feed()
+            self._cond.notify_all()
+
+
+def _pool(arch: str, workers: int) -> ProcessPoolExecutor:
+    key = (arch, workers)
+    if key not in _pools:
+        _pools[key] = _spawn_pool(workers, arch)
+    return _pools[key]
 
 
 def cache_path(cfg: GemmConfig, *, dtype_in: str = "bf16", dtype_out: str = "bf16", layout: str = "tn",

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 
@@ -271,8 +270,7 @@ class GpuBackend:
         register_facts(self.device_name, self.facts)
         self._versions: dict[str, str] = dict(hello["versions"])
         self._verified: set[tuple[str, Problem]] = set()
-        # Config name -> its background compile (None: it was cached already).
-        self._compiling: dict[str, Future | None] = {}
+        self._compiles = None  # a kernels.compile.CompileQueue, from the first `prepare`
         # Wall seconds spent waiting on compiles and on measurements, and
         # how many candidates were timed (a round of several counts each).
         self.seconds = {"compile": 0.0, "measure": 0.0}
@@ -295,16 +293,16 @@ class GpuBackend:
         self.close()
 
     def prepare(self, cfgs: list[GemmConfig]) -> None:
-        """Start compiling `cfgs` in the background, on the host's cores, so
-        that measuring one config overlaps the compiles of the next: a
-        measurement waits only for its own config's compile. A compile that
-        fails is left to the worker, whose measurement then reports it."""
-        import kernels.compile as kc
+        """Queue `cfgs` for compiling in the background, on the host's cores,
+        so that measuring one config overlaps the compiles of the next: a
+        measurement waits only for its own config's compile (which jumps the
+        queue). A compile that fails is left to the worker, whose
+        measurement then reports it."""
+        if self._compiles is None:
+            from kernels.compile import CompileQueue
 
-        for cfg in cfgs:
-            if cfg.name() not in self._compiling:
-                futures = kc.submit_many([cfg], compile_workers())
-                self._compiling[cfg.name()] = next(iter(futures.values()), None)
+            self._compiles = CompileQueue(compile_workers())
+        self._compiles.submit(cfgs)
 
     def probe(self) -> dict:
         """The quick calibration's micro-benchmarks (`tuner.backends.probe.measure`)."""
@@ -313,11 +311,12 @@ class GpuBackend:
 
     def _await_compiles(self, cfgs) -> None:
         """Wait for the background compiles of `cfgs`; the wait counts as compiling."""
+        if self._compiles is None:
+            return
         started = time.perf_counter()
         for cfg in cfgs:
-            future = self._compiling.get(cfg.name()) if isinstance(cfg, GemmConfig) else None
-            if future is not None:
-                future.exception()
+            if isinstance(cfg, GemmConfig):
+                self._compiles.wait(cfg)
         self.seconds["compile"] += time.perf_counter() - started
 
     def _call(self, msg: dict, timeout_s: float) -> dict:
