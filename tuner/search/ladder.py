@@ -84,6 +84,9 @@ SETTLED_MARGIN = 1.03
 # this share of its time and keeps MAP_SHARE of it for validation.
 LISTED_SHARE = 0.5
 MAP_SHARE = 0.15
+# Under a deadline a family starts only with this share of an equal share
+# of the whole budget left (`tune_families`).
+MIN_FAMILY_SHARE = 0.5
 # Compiled ahead for each listed key: the neighbours of this many of the
 # model's picks (`tune_family`).
 SPECULATE = 2
@@ -302,11 +305,15 @@ def tune_families(
     pending = list(families)
     if budget.until is not None:
         pending.sort(key=lambda item: -_gemm_ms(item[1]))
+    # A family's seeds and validation are measured however late it is, so
+    # under a deadline one starts only with MIN_FAMILY_SHARE of an equal
+    # share of the whole budget left: the tune ends near its deadline.
+    least = MIN_FAMILY_SHARE * budget.left() / max(1, len(pending))
     while pending:
         took = False
         for item in list(pending):
             name, keys = item
-            if budget.left() <= 0:
+            if budget.left() < least:
                 # Out of time: the families not started stay on cuBLAS.
                 if on_family:
                     on_family(name, "unreached", None)
