@@ -111,6 +111,10 @@ def test_calibrate_prints_a_table_and_rejects_what_it_cannot_fit(small_db, tmp_p
      '"constants": {"sms": 100}}}}', "devices.X.constants.sms"),
     ('{"format": "gemm-tuner-calibration", "version": 1, "devices": {"X": {"arch": "sm90", '
      '"constants": {"launch_us": 1e9}}}}', "devices.X.constants.launch_us"),
+    ('{"format": "gemm-tuner-calibration", "version": 1, "devices": {"X": {"arch": "sm90", '
+     '"facts": {"sms": -3}, "constants": {}}}}', "devices.X.facts.sms"),
+    ('{"format": "gemm-tuner-calibration", "version": 1, "devices": {"X": {"arch": "sm90", '
+     '"facts": {"launch_us": 2}, "constants": {}}}}', "devices.X.facts.launch_us"),
     ("not json", "not a calibration file"),
 ])
 def test_a_bad_calibration_file_is_an_error_naming_file_and_field(tmp_path, content, words):
@@ -127,3 +131,73 @@ def test_spearman_matches_the_textbook_on_ties_and_orders():
     # ranks with ties averaged: x -> 1, 2.5, 2.5, 4; y -> 1, 2, 3, 4
     assert spearman(np.array([1.0, 2, 2, 3]), np.array([1.0, 2, 3, 4])) == pytest.approx(0.9486833, abs=1e-6)
     assert math.isnan(spearman(np.array([1.0, 1, 1]), np.array([1.0, 2, 3])))
+
+
+# What `tuner.backends.probe` reports: the driver's figures and the probe's.
+DRIVER = {"name": "H100-perturbed", "sms": 132, "l2_bytes": 50 * 2**20, "smem_per_sm": 228 * 1024,
+          "clock_hz": 1.98e9, "hbm_bw": 3.35e12, "memory_bytes": 80 * 2**30}
+PROBE = {"copy_gbps": 2400.0, "mma_tflops": 790.0, "launch_us": 1.1, "seconds": 0.3}
+
+
+def test_quick_calibration_keeps_a_fitted_entry_and_scales_another_device_from_it(tmp_path, monkeypatch):
+    from tuner.backends.calibration import quick_entry, save_entry
+    from tuner.backends.model import MODEL_VERSION, device_model, model_source
+
+    cal_file = tmp_path / "calibration.json"
+    monkeypatch.setenv(CALIBRATION_ENV, str(cal_file))
+    fitted = {"arch": "sm90", "constants": dict(TRUTH), "model_version": MODEL_VERSION,
+              "fitted_at": "2026-11-01T00:00:00+00:00"}
+    # The fitted device itself: its constants stay, the probe joins them.
+    entry, how = quick_entry("sm90", DRIVER, PROBE, {DEVICE: fitted})
+    assert entry["constants"] == TRUTH and entry["probe"] == PROBE and "kept" in how
+    save_entry(cal_file, DEVICE, entry)
+    ref = device_model("sm90", DEVICE)
+    assert "fitted calibration of H100-perturbed" in model_source("sm90", DEVICE)
+    # Another device of the arch, twice the bandwidth, 10 % more tensor rate
+    # per SM on 10 % fewer SMs: the reference's constants, its rates scaled.
+    other = DRIVER | {"name": "Other", "sms": 119, "l2_bytes": 60 * 2**20}
+    figures = PROBE | {"copy_gbps": 4800.0, "mma_tflops": 790.0 * 1.1 * 119 / 132}
+    entry, how = quick_entry("sm90", other, figures, read_calibrations(cal_file))
+    save_entry(cal_file, "Other", entry)
+    dev = device_model("sm90", "Other")
+    assert how == f"scaled from {DEVICE}" and entry["source"] == "quick"
+    assert dev.sms == 119 and dev.l2_bytes == 60 * 2**20
+    assert dev.hbm_bw == pytest.approx(2 * ref.hbm_bw) and dev.clock_hz == pytest.approx(1.1 * ref.clock_hz)
+    assert dev.kblock_overhead_clk == ref.kblock_overhead_clk and dev.l2_bw == pytest.approx(1.1 * ref.l2_bw)
+    assert "quick calibration of Other" in model_source("sm90", "Other")
+    # The same device under another name scales to the same model: a quick
+    # entry predicts what its reference predicts.
+    entry, _ = quick_entry("sm90", DRIVER | {"name": "Twin"}, PROBE, read_calibrations(cal_file))
+    save_entry(cal_file, "Twin", entry)
+    key = Key("sm90", "x", Problem(512, 8192, 5376))
+    twin = device_model("sm90", "Twin")
+    for cfg in (GemmConfig(), GemmConfig(tile_n=256, stages=3, cluster_m=2)):
+        assert predict_ms(key, cfg, twin) == pytest.approx(predict_ms(key, cfg, ref), rel=1e-6)
+    # The file holds what `tuner calibrate` reads back.
+    assert set(read_calibrations(cal_file)) == {DEVICE, "Other", "Twin"}
+
+
+def test_quick_calibration_without_a_reference_takes_the_measured_rates(tmp_path, monkeypatch):
+    from tuner.backends.calibration import quick_entry
+    from tuner.backends.model import CALIBRATION_BOUNDS, DEVICES
+
+    entry, how = quick_entry("sm90", DRIVER, PROBE | {"launch_us": 50.0}, {})
+    base = DEVICES["sm90"]
+    assert "datasheet" in how
+    # The model's efficiencies applied to these rates give what was measured.
+    assert entry["facts"]["hbm_bw"] * base.hbm_efficiency == pytest.approx(2400e9)
+    peak = entry["facts"]["sms"] * base.flops_per_clk_sm * entry["facts"]["clock_hz"]
+    assert peak * base.mma_efficiency == pytest.approx(790e12)
+    # A probe figure out of the model's range is held at its bound.
+    assert entry["constants"]["launch_us"] == CALIBRATION_BOUNDS["launch_us"][1]
+
+
+def test_an_uncalibrated_device_is_modelled_with_its_driver_figures():
+    from tuner.backends.model import DEVICES, device_model, model_source, register_facts
+
+    register_facts("Uncalibrated GPU", DRIVER | {"sms": 114, "hbm_bw": 2.0e12})
+    dev = device_model("sm90", "Uncalibrated GPU")
+    assert (dev.sms, dev.hbm_bw, dev.clock_hz) == (114, 2.0e12, 1.98e9)
+    assert dev.mma_efficiency == DEVICES["sm90"].mma_efficiency
+    assert "driver's figures" in model_source("sm90", "Uncalibrated GPU")
+    assert "not calibrated" in model_source("sm90", "Never seen")

@@ -213,3 +213,21 @@ def test_help_fits_80_columns_when_piped_and_cuts_no_summary():
     assert "..." not in listed  # every command's summary whole
     for text in [top, *(help_of(c) for c in commands)]:
         assert max(map(len, text.splitlines())) <= 80, text
+
+
+def test_tune_under_a_time_budget_ends_near_it_and_says_what_it_left_on_cublas(tmp_path, monkeypatch):
+    shapes = tmp_path / "s.txt"
+    shapes.write_text("1,512 4096 4096 name=small\n1,512 14336 4096 name=wide\n1,512 4096 14336 name=deep\n")
+    monkeypatch.setenv("TUNER_MODEL_PER_TRIAL", "1")  # a trial at a time, as a GPU tune stores them
+    proc = tuner("tune", "--shapes", str(shapes), "--backend", "model", "--budget-s", "1", "--json",
+                 db=tmp_path / "t.db", columns=80)
+    out = json.loads(proc.stdout)
+    states = {f["name"]: f["state"] for f in out["families"]}
+    assert set(states) == {"small", "wide", "deep"}
+    left = [f for f in out["families"] if f["state"] == "unreached" or f["unreached_m"]]
+    assert left, out["families"]
+    assert out["totals"]["seconds"] < 8
+    # The person reading stderr is told the same, in 80 columns.
+    lines = proc.stderr.splitlines()
+    assert any("not reached in the time budget" in line or "out of time" in line for line in lines)
+    assert all(len(line) <= 80 for line in lines)

@@ -53,3 +53,21 @@ def test_runner_loaded_from_disk_is_correct(cache, monkeypatch):
     runner(a, b, out)
     ref = a.float() @ b.float()
     assert (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item() < 2e-2
+
+
+def test_compile_queue_compiles_a_waited_for_config_ahead_of_the_queue(cache):
+    """A tune queues a family's candidates; the one it is about to measure
+    goes next, not after the others."""
+    cfgs = [GemmConfig(scheduler="dynamic_persistent", tile_m=64, tile_n=n, stages=3) for n in (64, 96, 128, 160)]
+    queue = kc.CompileQueue(1)
+    queue.submit(cfgs)
+    queue.submit(cfgs)  # queued once
+    queue.wait(cfgs[-1])
+    done = [kc.cache_path(c).exists() for c in cfgs]
+    # The first was running already; the last jumped the two between.
+    assert done[-1] and not all(done[1:3])
+    for cfg in cfgs:
+        queue.wait(cfg)
+    assert all(kc.cache_path(c).exists() for c in cfgs)
+    queue.submit(cfgs)  # cached: nothing to do
+    queue.wait(cfgs[0])

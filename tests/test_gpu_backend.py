@@ -305,3 +305,11 @@ def test_holding_half_the_sms_slows_a_cublas_gemm(gpu):
     assert held.detail["resident"] == gpu.sm_count // 2
     # Ideal is 2x; anything above 1.5x shows the SMs were really taken.
     assert held.ms / free.ms > 1.5
+
+
+@pytest.mark.gpu
+def test_quick_probe_reads_the_driver_and_measures_in_seconds(gpu):
+    figures, facts = gpu.probe(), gpu.facts
+    assert facts["sms"] > 0 and facts["l2_bytes"] > 0 and facts["hbm_bw"] > 1e11 and facts["clock_hz"] > 1e8
+    assert figures["seconds"] < 60
+    assert 200 < figures["copy_gbps"] < 2e4 and 50 < figures["mma_tflops"] < 1e4 and 0.1 < figures["launch_us"] < 50

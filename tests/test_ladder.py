@@ -524,3 +524,79 @@ def test_dynamic_m_names_a_bad_m_list(m):
     proc = subprocess.run([sys.executable, "-m", "bench.dynamic_m", "--db", "x.db", "--shapes", "x.txt", "--m", m],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "argument --m: expected comma-separated positive integers" in proc.stderr, proc.stderr
+
+
+def test_budget_shares_the_time_left_and_a_key_past_it_measures_its_seeds_only(tmp_path):
+    import time
+
+    from tuner.search.study import tune_key
+
+    now = time.monotonic()
+    budget = Budget(trials=8, until=now + 100)
+    assert 49 < budget.share(0.5).left() <= 50 and budget.timeout() <= 100
+    assert Budget(trials=8).share(0.5) == Budget(trials=8) and Budget(seconds=3).timeout() == 3
+    assert math.isinf(Budget().left())
+
+    class Counting(ModelBackend):
+        name = "measured"  # a measured backend's search: seeds first, then samples
+
+        def __init__(self):
+            super().__init__("sm90", bulk=False)
+            self.configs = set()
+
+        def measure(self, key, cfg):
+            self.configs.add(cfg)
+            return super().measure(key, cfg)
+
+    backend = Counting()
+    key = Key("sm90", backend.device_name, Problem(512, 5376, 4096))
+    seeds = [GemmConfig(), GemmConfig(tile_n=256, stages=3)]
+    out = tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=40, until=now - 1), seeds=seeds,
+                   explore=False, variants=False)
+    # Out of time: the queued seeds and no sampled trial (40 were allowed);
+    # the final round adds the fastest one's other L2 hint.
+    assert out.winner.trials == len(seeds) and set(seeds) <= backend.configs and len(backend.configs) <= 3
+
+
+def test_a_rung_whose_neighbours_won_with_one_config_is_settled():
+    from types import SimpleNamespace as NS
+
+    from tuner.search.ladder import SETTLED_MARGIN, _settled
+
+    cfg = GemmConfig()
+
+    def outcome(name, speedup, config=cfg):
+        return NS(winner=NS(config_name=name, speedup=speedup, config=config and config.to_dict()))
+    won = {16: outcome("a", SETTLED_MARGIN + 0.01), 64: outcome("a", 1.2)}
+    assert _settled(won, 32) == cfg
+    assert _settled(won | {64: outcome("b", 1.2)}, 32) is None          # two configs
+    assert _settled(won | {64: outcome("a", 1.0)}, 32) is None          # a thin lead at one end
+    assert _settled({16: outcome("cublas", 1.0, None), 64: outcome("cublas", 1.0, None)}, 32) is None
+    assert _settled(won, 8) is None                                     # a neighbour on one side only
+
+
+def test_a_deadline_leaves_rungs_and_then_families_out_and_says_so(tmp_path):
+    import time
+
+    from tuner.search.ladder import tune_families
+
+    model = ModelBackend("sm90", bulk=False)
+    fams = [(f"f{n}", [Key("sm90", model.device_name, Problem(m, n, 4096)) for m in (1, 512)])
+            for n in (4096, 8192, 14336)]
+    heard = []
+    store = Store(str(tmp_path / "t.db"))
+    tune_families(fams, model, store, Budget(trials=4, until=time.monotonic() + 1.0),
+                  on_family=lambda name, state, outcome: heard.append((name, state, outcome)))
+    states = {name: state for name, state, _ in heard if state != "take"}
+    assert set(states) == {"f4096", "f8192", "f14336"}
+    # The family of most GEMM time goes first.
+    assert [name for name, state, _ in heard if state == "take"][0] == "f14336"
+    done = [o for _, state, o in heard if state == "done"]
+    assert "unreached" in states.values() or any(o.unreached for o in done)
+    for o in done:
+        assert o.validated and not set(o.unreached) & set(o.rungs)
+    # No deadline: every family, every rung.
+    heard.clear()
+    tune_families(fams, model, Store(str(tmp_path / "u.db")), Budget(trials=4),
+                  on_family=lambda name, state, outcome: heard.append((name, state, outcome)))
+    assert all(not o.unreached for _, s, o in heard if s == "done") and len([s for _, s, _ in heard if s == "done"]) == 3
