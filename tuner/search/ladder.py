@@ -50,7 +50,7 @@ from tuner.runtime.lookup import BASELINE, family_id, family_of
 from tuner.backends.measure import Backend, slow_spell
 from tuner.search.study import (
     Budget, Outcome, Tick, compile_ahead, drawable, few_row_seeds, first_configs, hint_variant, model_picks,
-    neighbour_variants, scheduler_variant, tune_key,
+    scheduler_variant, tune_key,
 )
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
@@ -87,9 +87,6 @@ MAP_SHARE = 0.15
 # Under a deadline a family starts only with this share of an equal share
 # of the whole budget left (`tune_families`).
 MIN_FAMILY_SHARE = 0.5
-# Compiled ahead for each listed key: the neighbours of this many of the
-# model's picks (`tune_family`).
-SPECULATE = 2
 
 
 @dataclass(frozen=True)
@@ -155,14 +152,7 @@ def tune_family(
         # cores while the first keys are measured.
         ahead = [c for m in sorted(by_m) for c in first_configs(by_m[m])]
         ahead += [c for m in ladder_ms for c in _rung_picks(template.with_m(m))]
-        # Then, while compilers are free, what the search measures once a
-        # key's best config is known (its neighbours, the other L2 hint):
-        # guessed from the model's best picks, each a compile saved from a
-        # key's critical path.
-        for m in sorted(by_m):
-            for cfg in model_picks(by_m[m], SPECULATE):
-                ahead += neighbour_variants(cfg) + list(filter(None, [hint_variant(cfg)]))
-        compile_ahead(backend, list(dict.fromkeys(c for c in ahead if template.problem.runs(c))))
+        compile_ahead(backend, list(dict.fromkeys(ahead)))
     # Under a deadline: the listed keys share LISTED_SHARE of the family's
     # time, the rungs the rest but MAP_SHARE, which validation keeps.
     listed_budget = budget.share(LISTED_SHARE)
