@@ -600,3 +600,27 @@ def test_a_deadline_leaves_rungs_and_then_families_out_and_says_so(tmp_path):
     tune_families(fams, model, Store(str(tmp_path / "u.db")), Budget(trials=4),
                   on_family=lambda name, state, outcome: heard.append((name, state, outcome)))
     assert all(not o.unreached for _, s, o in heard if s == "done") and len([s for _, s, _ in heard if s == "done"]) == 3
+
+
+def test_a_measured_family_compiles_its_keys_candidates_ahead_and_a_rerun_nothing(tmp_path):
+    from tuner.search.study import first_configs
+
+    class Measured(ModelBackend):
+        name = "measured"
+
+        def __init__(self):
+            super().__init__("sm90")
+            self.prepared = []
+
+        def prepare(self, cfgs):
+            self.prepared.append(list(cfgs))
+
+    backend = Measured()
+    keys = [Key("sm90", backend.device_name, Problem(m, 5376, 4096)) for m in (16, 512)]
+    store = Store(str(tmp_path / "t.db"))
+    tune_family(keys, backend, store, Budget(trials=6), name="o")
+    # The first batch, before any measurement: every listed key's first configs.
+    assert all(set(first_configs(k)) <= set(backend.prepared[0]) for k in keys)
+    backend.prepared.clear()
+    tune_family(keys, backend, store, Budget(trials=6), name="o")
+    assert not any(backend.prepared)

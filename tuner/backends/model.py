@@ -358,7 +358,9 @@ _live_facts: dict[str, dict] = {}
 
 def register_facts(device: str, facts: dict) -> None:
     """Model `device` (without a calibration entry) with the driver's `facts`."""
-    _live_facts[device] = {f: facts[f] for f in FACT_FIELDS if facts.get(f)}
+    known = {f: facts[f] for f in FACT_FIELDS if facts.get(f)}
+    if known:
+        _live_facts[device] = known
 
 
 def model_source(arch: str, device: str) -> str:

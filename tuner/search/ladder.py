@@ -49,8 +49,8 @@ from tuner.key import Key
 from tuner.runtime.lookup import BASELINE, family_id, family_of
 from tuner.backends.measure import Backend, slow_spell
 from tuner.search.study import (
-    Budget, Outcome, Tick, compile_ahead, drawable, few_row_seeds, first_configs, hint_variant, model_picks,
-    scheduler_variant, tune_key,
+    Budget, Outcome, Tick, compile_ahead, drawable, few_row_seeds, first_configs, hint_variant, is_current,
+    model_picks, scheduler_variant, tune_key,
 )
 
 # Measured points per doubling of M (rungs included): 3 puts a point every 26 %.
@@ -148,10 +148,11 @@ def tune_family(
     template = keys[0]
     ladder_ms = [m for m in rungs(list(by_m)) if m not in by_m] if ladder else []
     if backend.name != "model":
-        # Compile every key's and rung's first candidates on the host's
-        # cores while the first keys are measured.
-        ahead = [c for m in sorted(by_m) for c in first_configs(by_m[m])]
-        ahead += [c for m in ladder_ms for c in _rung_picks(template.with_m(m))]
+        # Compile the first candidates of every key and rung to be searched
+        # on the host's cores while the first keys are measured.
+        todo = [k for k in [by_m[m] for m in sorted(by_m)] + [template.with_m(m) for m in ladder_ms]
+                if force or not is_current(store.winner(k.to_dict()), backend)]
+        ahead = [c for k in todo for c in (first_configs(k) if k.problem.m in by_m else _rung_picks(k))]
         compile_ahead(backend, list(dict.fromkeys(ahead)))
     # Under a deadline: the listed keys share LISTED_SHARE of the family's
     # time, the rungs the rest but MAP_SHARE, which validation keeps.

@@ -161,7 +161,7 @@ def tune_key(
     key_dict = key.to_dict()
     key_id = store.key_id(key_dict, name)
     current = store.winner(key_dict)
-    if current is not None and not current.stale(versions) and not force:
+    if is_current(current, backend) and not force:
         if on_trial:
             on_trial(Tick(current.trials, current.trials, current.speedup))
         return Outcome(key, current, skipped=True)
@@ -288,6 +288,12 @@ def tune_key(
         trials=done(),
     )
     return Outcome(key, store.winner(key_dict), skipped=False)
+
+
+def is_current(winner: WinnerView | None, backend: Backend) -> bool:
+    """Whether a stored winner was measured under the backend's current
+    versions (its key is then not searched again without `force`)."""
+    return winner is not None and not winner.stale(backend.versions())
 
 
 def _pick_winner(
