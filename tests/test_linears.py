@@ -91,19 +91,23 @@ def test_shapes_from_model_cli_writes_a_shape_file_from_a_config_or_a_module(tmp
         "8 1024 256 dtype=bf16 name=small_model.0+3", "8 256 1024 dtype=bf16 name=small_model.2"]
 
 
-def test_shapes_no_kernel_takes_and_expert_weights_are_comments_that_say_why(tmp_path):
+def test_shapes_no_kernel_takes_are_comments_and_expert_weights_grouped_keys(tmp_path):
     # A Qwen2-MoE: a shared-expert gate of one output (N = 1: no 16-byte
-    # output rows) and experts stored as 3-D weights, not nn.Linear.
+    # output rows) and experts stored as 3-D weights (E, N, K), not nn.Linear.
     config = tmp_path / "moe.json"
     config.write_text(json.dumps({**SMALL, "model_type": "qwen2_moe", "moe_intermediate_size": 256,
                                   "shared_expert_intermediate_size": 512, "num_experts": 4,
                                   "num_experts_per_tok": 2, "num_hidden_layers": 1}))
     text = shapes_from_model(config, [1, 16])
     entries = parse_text(text, "moe.json")
-    assert {(e.problem.n, e.problem.k) for e in entries} == {(512, 512), (128, 512), (2048, 512)}
+    assert {(e.problem.n, e.problem.k) for e in entries if e.problem.groups == 1} == {(512, 512), (128, 512),
+                                                                                      (2048, 512)}
+    # The experts: 4 groups, top-2 x tokens rows.
+    assert {(e.problem.m, e.problem.n, e.problem.k, e.problem.groups) for e in entries if e.problem.groups > 1} == {
+        (2, 512, 512, 4), (32, 512, 512, 4), (2, 512, 256, 4), (32, 512, 256, 4)}
     assert ("# 1,16 1 512 dtype=bf16 name=small_qwen.shared_expert_gate: runs cuBLAS, "
             "N=1 must be a multiple of 8 for a bf16 output") in text.splitlines()
-    assert "#   Qwen2MoeExperts.gate_up_proj 4x512x512" in text and "#   Qwen2MoeExperts.down_proj 4x512x256" in text
+    assert "2,32 512 256 groups=4 dtype=bf16 name=small_qwen.experts.down_proj" in text.splitlines()
     proc = _cli("tune", "--model", str(config), "--m", "16", "--only", "small_qwen.shared*", "--db", str(tmp_path / "t.db"))
     assert proc.returncode == 2 and "no key of" in proc.stdout, proc.stdout + proc.stderr
     assert "not listed" not in shapes_from_model("tests.test_linears:conv_model", [1])

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tuner.shapes import DecoderShape, ShapeFileError, parse_shapes, write_shapes_from_config
+from tuner.config_shapes import DecoderShape, write_shapes_from_config
+from tuner.shapes import ShapeFileError, parse_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,34 +76,80 @@ def test_empty_file_is_an_error(tmp_path):
         parse_shapes(f)
 
 
+def _gemms(shape: DecoderShape, ep: int = 1) -> dict:
+    return {name: (n, k, groups, per_token) for name, n, k, groups, per_token in shape.gemms(ep)}
+
+
 def test_multimodal_config_reads_text_config_and_defaults():
     shape = DecoderShape.from_config({"text_config": {
         "hidden_size": 2560, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
         "intermediate_size": 10240}})
-    assert shape.projections() == {
-        "qkv": (4096, 2560), "o": (2560, 2048), "gate_up": (20480, 2560), "down": (2560, 10240)}
+    assert _gemms(shape) == {"qkv": (4096, 2560, 1, 1), "o": (2560, 2048, 1, 1), "gate_up": (20480, 2560, 1, 1),
+                             "down": (2560, 10240, 1, 1)}
     llama = DecoderShape.from_config({"hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 11008})
-    assert llama.projections()["qkv"] == (3 * 4096, 4096)
+    assert _gemms(llama)["qkv"] == (3 * 4096, 4096, 1, 1)
     with pytest.raises(ValueError, match="intermediate_size"):
         DecoderShape.from_config({"hidden_size": 1, "num_attention_heads": 1})
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"model_type": "mixtral", "num_local_experts": 8}, "num_local_experts=8: the config describes a mixture"),
-    ({"text_config": {"num_experts": 60}}, "num_experts=60: the config describes a mixture of experts"),
-    ({"kv_lora_rank": 512}, "kv_lora_rank=512: the config describes multi-head latent attention"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "config has no 'num_experts_per_tok'"),
+    ({"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": None}, "no 'moe_intermediate_size'"),
+    ({"kv_lora_rank": 512, "qk_nope_head_dim": 128}, "config has no 'qk_rope_head_dim'"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0"),
+    ({"intermediate_size": "big"}, "intermediate_size='big': expected a non-negative integer"),
     ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' has an MLP without a gate"),
 ])
-def test_a_config_whose_layer_is_not_dense_and_gated_is_refused_naming_the_field(fields, words):
+def test_what_a_config_does_not_describe_is_refused_naming_the_field(fields, words):
     dense = {"hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 11008}
-    config = {**dense, **fields}
-    if "text_config" in fields:
-        config = {"text_config": {**dense, **fields["text_config"]}}
-    with pytest.raises(ValueError, match=words) as info:
-        DecoderShape.from_config(config)
-    assert "--from-model" in str(info.value)
+    with pytest.raises(ValueError, match=words):
+        DecoderShape.from_config({**dense, **fields})
     # A dense model's config that states no experts is taken.
     assert DecoderShape.from_config({**dense, "num_experts": 0, "model_type": "llama"}).intermediate_size == 11008
+
+
+CONFIGS = ROOT / "bench" / "configs"
+
+
+def test_moe_configs_give_grouped_expert_keys_beside_the_dense_ones():
+    qwen = _gemms(DecoderShape.from_config(json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())))
+    assert qwen == {"qkv": (5120, 2048, 1, 1), "o": (2048, 4096, 1, 1), "router": (128, 2048, 1, 1),
+                    "experts.gate_up": (1536, 2048, 128, 8), "experts.down": (2048, 768, 128, 8)}
+    mixtral = _gemms(DecoderShape.from_config(json.loads((CONFIGS / "mixtral-8x7b.json").read_text())))
+    assert mixtral["experts.gate_up"] == (2 * 14336, 4096, 8, 2) and "gate_up" not in mixtral
+    v3 = DecoderShape.from_config(json.loads((CONFIGS / "deepseek-v3.json").read_text()))
+    got = _gemms(v3)
+    # Latent attention, the first three layers' dense MLP, one shared expert.
+    assert {k: got[k] for k in ("q_a", "q_b", "kv_a", "kv_b", "o")} == {
+        "q_a": (1536, 7168, 1, 1), "q_b": (128 * 192, 1536, 1, 1), "kv_a": (576, 7168, 1, 1),
+        "kv_b": (128 * 256, 512, 1, 1), "o": (7168, 128 * 128, 1, 1)}
+    assert got["gate_up"] == (2 * 18432, 7168, 1, 1) and got["shared.down"] == (7168, 2048, 1, 1)
+    assert got["experts.down"] == (7168, 2048, 256, 8)
+    # Expert parallelism over 64 GPUs: 4 experts each, the same rows.
+    assert _gemms(v3, ep=64)["experts.gate_up"] == (4096, 7168, 4, 8)
+    with pytest.raises(ValueError, match="--ep 3: 256 experts do not split into 3 equal parts"):
+        v3.gemms(ep=3)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
+def test_a_moe_shape_file_from_a_config_is_one_tune_accepts(tmp_path, name):
+    out = tmp_path / f"{name}.txt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "shapes", "--from-config", str(CONFIGS / f"{name}.json"),
+         "--m", "4,2048", "--ep", "2", "-o", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    entries = parse_shapes(out)
+    grouped = [e for e in entries if e.problem.groups > 1]
+    assert grouped and all(e.name.split(".", 1)[1].startswith("experts.") for e in grouped)
+    # The routed rows are top-k x tokens.
+    top_k = json.loads((CONFIGS / f"{name}.json").read_text())["num_experts_per_tok"]
+    assert {e.problem.m for e in grouped} == {4 * top_k, 2048 * top_k}
+    tune = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "tune", "--shapes", str(out), "--backend", "model", "--trials", "2",
+         "--no-ladder", "--only", "*.experts.*", "--db", str(tmp_path / "t.db"), "--json"],
+        capture_output=True, text=True, cwd=ROOT)
+    assert tune.returncode == 0, tune.stderr
+    assert json.loads(tune.stdout)["totals"]["tuned"] == 2
 
 
 def test_cli_writes_a_shape_file_from_a_config_that_parses_back(tmp_path):

@@ -411,13 +411,16 @@ def shapes_(
         "nothing downloaded), a shipped config's name (gemma-3-27b, llama-3.1-8b, qwen2.5-7b) or "
         "package.module:attr (an nn.Module or a function returning one)."),
     m: str = typer.Option("1,16,128,512,2048,8192", help="Token counts M, comma-separated."),
+    ep: int = typer.Option(1, "--ep", min=1, help="With --from-config: GPUs the experts are spread over."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Shape file to write (default: stdout)."),
 ) -> None:
     """Write a shape file of a model's GEMMs.
 
-    A config's fused QKV, O, gate+up and down GEMMs (--from-config), or
-    every distinct linear layer of a model (--from-model)."""
-    from tuner.shapes import ShapeFileError, write_shapes_from_config
+    A config's attention, MLP and mixture-of-experts GEMMs as a serving
+    engine runs them (--from-config), or every distinct linear layer of a
+    model (--from-model)."""
+    from tuner.config_shapes import write_shapes_from_config
+    from tuner.shapes import ShapeFileError
 
     if (from_config is None) == (from_model is None):
         _fail("give one of --from-config CONFIG and --from-model MODEL")
@@ -430,7 +433,7 @@ def shapes_(
                 _fail(f"cannot write {output}: {exc.strerror or exc}")
     else:
         try:
-            text = write_shapes_from_config(from_config, _m_values(m), output)
+            text = write_shapes_from_config(from_config, _m_values(m), output, ep)
         except (OSError, ValueError, ShapeFileError) as exc:
             _fail(f"{from_config}: {exc}")
     if output is None:

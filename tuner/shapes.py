@@ -23,7 +23,6 @@ shipped in `tuner/data/` (so `--shapes gemma3.txt` works from anywhere).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +31,6 @@ from tuner.key import Problem
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 _OPTIONS = ("groups", "dtype", "dtype_out", "layout", "held", "name")
-# The GEMMs of one decoder layer, in y = x @ W.T form: (name, N, K).
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class ShapeFileError(ValueError):
@@ -167,90 +164,3 @@ def _ints(name: str, text: str, many: bool = True) -> list[int]:
             raise ValueError(f"{name} must be positive, got {value}")
         values.append(value)
     return values
-
-
-# -- shape files from model configs -------------------------------------------
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """What a decoder layer's GEMMs depend on (Hugging Face config names)."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> "DecoderShape":
-        # Multimodal checkpoints (Gemma 3 4B and up) keep the LM under text_config.
-        text = config.get("text_config") or config
-        _check_dense_gated(config, text)
-        try:
-            hidden = int(text["hidden_size"])
-            heads = int(text["num_attention_heads"])
-            inter = int(text["intermediate_size"])
-        except KeyError as exc:
-            raise ValueError(f"config has no {exc.args[0]!r}") from None
-        kv = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or hidden // heads)
-        return cls(hidden, heads, kv, head_dim, inter)
-
-    def projections(self) -> dict[str, tuple[int, int]]:
-        """(N, K) of y = x @ W.T for each fused projection of the layer."""
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        return {
-            "qkv": (q + 2 * kv, self.hidden_size),
-            "o": (self.hidden_size, q),
-            "gate_up": (2 * self.intermediate_size, self.hidden_size),
-            "down": (self.hidden_size, self.intermediate_size),
-        }
-
-
-# Decoder layers that are not the dense, gated form DecoderShape derives:
-# listing the GEMMs of that form for them would tune keys the model never
-# runs, so they are refused, pointing at `--from-model` (the layers as built).
-_NOT_DENSE = {"num_local_experts": "a mixture of experts", "num_experts": "a mixture of experts",
-              "n_routed_experts": "a mixture of experts", "kv_lora_rank": "multi-head latent attention"}
-_UNGATED_MLP = frozenset({"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "starcoder2", "falcon", "phi",
-                          "opt", "bloom", "mpt", "nemotron", "arcee"})
-
-
-def _check_dense_gated(*configs: dict) -> None:
-    for c in configs:
-        for field, what in _NOT_DENSE.items():
-            value = c.get(field)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                raise ValueError(f"{field}={value}: the config describes {what}, where --from-config derives "
-                                 "a dense decoder's GEMMs; list the model's own with --from-model")
-        if c.get("model_type") in _UNGATED_MLP:
-            raise ValueError(f"model_type {c['model_type']!r} has an MLP without a gate, where --from-config "
-                             "derives a gated one (gate+up); list the model's own GEMMs with --from-model")
-
-
-def shape_lines(model: str, shape: DecoderShape, m_values: list[int]) -> list[str]:
-    ms = ",".join(map(str, m_values))
-    lines = [
-        f"# {model}: hidden {shape.hidden_size}, {shape.num_attention_heads} query heads and "
-        f"{shape.num_key_value_heads} KV heads of {shape.head_dim}, MLP {shape.intermediate_size}",
-    ]
-    for proj, (n, k) in shape.projections().items():
-        lines.append(f"{ms} {n} {k} name={model}.{proj}")
-    return lines
-
-
-def write_shapes_from_config(config_path: Path, m_values: list[int], output: Path | None) -> str:
-    """The shape file text for a Hugging Face style config.json; written to `output` if given."""
-    if not m_values or any(m < 1 for m in m_values):
-        raise ValueError("M values must be positive integers")
-    config = json.loads(Path(config_path).read_text())
-    if not isinstance(config, dict):
-        raise ValueError("expected a JSON object")
-    model = str(config.get("_name_or_path") or config.get("model_type") or Path(config_path).stem)
-    model = model.replace(" ", "_")
-    text = "\n".join(shape_lines(model, DecoderShape.from_config(config), m_values)) + "\n"
-    if output is not None:
-        output.write_text(text)
-    return text

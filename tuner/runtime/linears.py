@@ -156,11 +156,14 @@ def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
         # A shape no kernel can take (a gate of one output) stays in the file
         # as a comment, so that the file still tunes and says what runs cuBLAS.
         lines.append(line if why is None else f"# {line}: runs cuBLAS, {why}")
-    experts = _expert_weights(model)
-    if experts:
-        lines.append("# not listed: 3-D weights (MoE experts), not nn.Linear layers, so tuner.patch "
-                     "leaves them to the model's own code:")
-        lines += [f"#   {e}" for e in experts]
+    top_k, grouped, other = _expert_keys(model, load_config(path) if path else {})
+    if grouped:
+        lines.append(f"# experts (3-D weights, y = x @ W[e].T): M = rows routed, top-{top_k} x tokens")
+        lines += [f"{','.join(str(m * top_k) for m in m_values)} {n} {k} groups={e} dtype={dtype} name={name}.{label}"
+                  for label, e, n, k in grouped]
+    if other:
+        lines.append("# not listed: 3-D weights the config names no expert count and top-k for:")
+        lines += [f"#   {w}" for w in other]
     return "\n".join(lines) + "\n"
 
 
@@ -176,19 +179,34 @@ def _outside_the_pool(shape: LinearShape, dtype: str) -> str | None:
     return None
 
 
-def _expert_weights(model) -> list[str]:
-    """`Module.param ExNxK` of every distinct 3-D floating weight of `model`
-    but convolutions' (a Mamba layer's conv1d is 3-D too)."""
+def _expert_keys(model, config: dict) -> tuple[int, list[tuple[str, int, int, int]], list[str]]:
+    """The config's top-k and the grouped keys of the model's experts:
+    (label, E, N, K) of every distinct 3-D floating weight (E, N, K) whose E
+    is the config's expert count (when it names a top-k); and `Module.param
+    ExNxK` of the other 3-D weights but convolutions' (a Mamba layer's
+    conv1d is 3-D too)."""
     from torch import nn
 
-    found: dict[str, None] = {}
-    for module in model.modules():
+    text = config.get("text_config") or config
+    counts = {text[f] for f in ("num_local_experts", "num_experts", "n_routed_experts") if isinstance(text.get(f), int)}
+    top_k = text.get("num_experts_per_tok")
+    routed = bool(counts) and isinstance(top_k, int)
+    grouped: dict[tuple[int, int, int], list[str]] = {}
+    other: dict[str, None] = {}
+    for mod_name, module in model.named_modules():
         if isinstance(module, nn.modules.conv._ConvNd):
             continue
         for name, p in module.named_parameters(recurse=False):
-            if p.dim() == 3 and p.is_floating_point():
-                found[f"{type(module).__name__}.{name} {'x'.join(map(str, p.shape))}"] = None
-    return list(found)
+            if p.dim() != 3 or not p.is_floating_point():
+                continue
+            if routed and p.shape[0] in counts:
+                labels = grouped.setdefault(tuple(p.shape), [])
+                label = f"{mod_name.rpartition('.')[2]}.{name}"
+                if label not in labels:
+                    labels.append(label)
+            else:
+                other[f"{type(module).__name__}.{name} {'x'.join(map(str, p.shape))}"] = None
+    return top_k, [("+".join(labels), e, n, k) for (e, n, k), labels in grouped.items()], list(other)
 
 
 def _import_module(source: str):
