@@ -155,9 +155,10 @@ def explain_key(key) -> Explanation:
     return _choose(key)[0]
 
 
-def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int) -> tuple[tuple, str | None]:
+def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int, groups: int = 1) -> tuple[tuple, str | None]:
     """Where `gemm(x, W.t())` may run a kernel for a contiguous (n, k) weight
-    W of `dtype` on that CUDA device: the M intervals (`tuner.lookup.Span`,
+    W of `dtype` on that CUDA device (with `groups`, `gemm(x, W.mT, offs=)`
+    for `groups` such weights, M the rows over all of them): the M intervals (`tuner.lookup.Span`,
     with the least device time the kernel saved there; outside them it runs
     cuBLAS, so a caller may call torch there directly), and why there are
     none to be had (None when the family is tuned). Stale choices are left
@@ -176,7 +177,7 @@ def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int) -> tuple
     if arch is None:
         return (), f"compute capability {major}.{minor}: no kernel pool for it"
     try:
-        problem = Problem(1, n, k, 1, din, din, "tn")
+        problem = Problem(1, n, k, groups, din, din, "tn")
     except InvalidConfig as exc:
         return (), f"shape outside the pool's operand rules: {exc}"
     if _online():

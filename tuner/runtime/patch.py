@@ -78,7 +78,7 @@ from torch.nn.modules.module import (
     _global_backward_hooks, _global_backward_pre_hooks, _global_forward_hooks, _global_forward_pre_hooks,
 )
 
-from tuner.runtime import dispatch
+from tuner.runtime import dispatch, experts
 from tuner.backends.measure import gc_paused, paired_speedup, trimmed_mean
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -302,7 +302,11 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     replayed from graphs it moved steps by -0.8 % to +0.7 % against the
     plain builds (`bench.e2e --pdl`), no consistent win. Patching a patched
     model reads the database again. Warns (`PatchWarning`) when no layer
-    qualifies, and names the shapes nothing is tuned for."""
+    qualifies, and names the shapes nothing is tuned for. A mixture of
+    experts block computed by transformers' grouped products runs them
+    through `gemm`'s grouped dispatch where its families are tuned
+    (`tuner.runtime.experts`)."""
+    experts.patch_experts(model)
     layers, biased = [], False
     for m in model.modules():
         if _eligible(m) and (bias or m.bias is None):
@@ -366,7 +370,9 @@ def host_costs(device: int | None = None) -> tuple[float, float] | None:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo `patch`: every `TunedLinear` of `model` is an `nn.Linear` again."""
+    """Undo `patch`: every `TunedLinear` of `model` is an `nn.Linear` again,
+    every experts block back on transformers' grouped products."""
+    experts.unpatch_experts(model)
     for layer in model.modules():
         _restore(layer)
     return model
