@@ -34,17 +34,27 @@ def quiet():
         yield
 
 
-def test_the_tuned_experts_forward_computes_what_transformers_grouped_forward_does():
+def test_the_tuned_experts_forward_computes_what_transformers_grouped_forward_does(monkeypatch):
     model = _moe_model()
     ids = torch.randint(0, 512, (3, 7))
+    calls = []
+
+    def gemm(a, b, out=None, *, offs=None):
+        calls.append((a.shape[0], tuple(b.shape), offs[-1].item()))
+        return torch._grouped_mm(a, b, offs=offs)
+    monkeypatch.setattr(dispatch, "gemm", gemm)
     with torch.no_grad():
         want = model(ids).logits
+        assert not calls
         blocks = experts.grouped_blocks(model)
         assert len(blocks) == 2 and experts.register()
         for block in blocks:
             experts.use(block, experts.IMPLEMENTATION)
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Two grouped products a block, over top-2 x 21 tokens' rows; b is W.mT.
+    rows = 2 * 3 * 7
+    assert calls == [(rows, (8, 256, 256), rows), (rows, (8, 128, 256), rows)] * 2
     # Each block was switched on its own: the model's config is untouched.
     assert model.config._experts_implementation == experts.GROUPED
 
