@@ -1,6 +1,6 @@
 """Grouped GEMM on Hopper: static vs dynamic scheduling, and MoE keys against torch.
 
-    python -m bench.grouped [--part seed000 moe] [--out bench/results]
+    python -m bench.grouped [--part seed000 moe models] [--skews 0 1] [--tokens 2048] [--out bench/results]
 
 (a) seed000: four problems of 1024 x 1024 with K = 1024, K, 1024, K packed
     along K, K from 1024 to 32768. Same config for both schedulers (128 x 128
@@ -14,6 +14,14 @@
     (`--trials` measured configs, a few hand-picked tiles among the first),
     and its best pool config re-measured interleaved with `torch._grouped_mm`
     and with a loop of cuBLAS calls, one per expert.
+(c) models: the routed experts' keys of Qwen3-30B-A3B, Mixtral 8x7B and
+    DeepSeek-V3 (at 4 and 8 local experts: expert parallelism over 64 and
+    32 GPUs), as `tuner shapes --from-config` writes them for `--tokens`
+    tokens, at each of `--skews`, tuned and timed as in (b).
+
+Every point has `speedup_vs_grouped_mm` and `speedup_vs_loop` (torch's, or
+the cuBLAS loop's, time over ours; seed 000: the faster scheduler's), and
+`summary` their geomeans and minimums over the records in the file.
 
 All times come from `tuner.backends.gpu.GpuBackend` (CUDA graph replays, operands
 rotated through more than L2). Writes `<out>/<device-slug>-grouped.json`,
@@ -37,6 +45,8 @@ from tuner.backends.gpu_worker import CUBLAS_LOOP, DEFAULT_GROUP_SKEW
 from tuner.backends.gpu import GpuBackend
 from tuner.key import Key, Problem
 from tuner.search.study import Budget, tune_key
+
+CONFIGS = Path(__file__).parent / "configs"
 
 SEED000_K = [2 ** e for e in range(10, 16)]
 # 128 x 128 tiles give 64 per group: two waves on 132 SMs, the case where
@@ -73,6 +83,9 @@ MOE_TILES = (
     dict(tile_m=128, tile_n=256, cluster_n=2),
 )
 _SCHEDULERS = ("static_persistent", "dynamic_persistent")
+# (config in bench/configs, expert parallelism) of part "models".
+MODEL_CONFIGS = (("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 64), ("deepseek-v3", 32))
+MODEL_SKEWS = (0.0, 0.8, 1.2)
 
 
 def _cfg(scheduler: str, **tile) -> GemmConfig:
@@ -109,6 +122,9 @@ def _seed000_tile(backend: GpuBackend, static: GemmConfig, dynamic: GemmConfig) 
                 rec[f"{label}_error"] = r.error
         if rec["static_ms"] and rec["dynamic_ms"]:
             rec["dynamic_over_static"] = rec["static_ms"] / rec["dynamic_ms"]
+        ours = min(filter(None, (rec["static_ms"], rec["dynamic_ms"])), default=None)
+        if ours and rec["cublas_loop_ms"]:
+            rec["speedup_vs_loop"] = rec["cublas_loop_ms"] / ours
         records.append(rec)
         print(json.dumps(rec), file=sys.stderr)
     return records
@@ -120,19 +136,34 @@ def _moe_problems() -> list[tuple[Problem, float]]:
     return out + [(Problem(m, n, k, groups=g, carveout=HELD_SMS), DEFAULT_GROUP_SKEW)]
 
 
-def moe(device: int, trials: int, skews: list[float]) -> list[dict]:
+def model_problems(tokens: int) -> list[tuple[str, Problem]]:
+    """(name, problem) of the routed experts' keys of MODEL_CONFIGS at `tokens` tokens."""
+    from tuner.config_shapes import DecoderShape
+
+    out = []
+    for name, ep in MODEL_CONFIGS:
+        shape = DecoderShape.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+        for gemm, n, k, groups, per_token in shape.gemms(ep):
+            if groups > 1:
+                out.append((f"{name}.{gemm}" + (f" ep{ep}" if ep > 1 else ""),
+                            Problem(tokens * per_token, n, k, groups=groups)))
+    return out
+
+
+def moe(device: int, trials: int, skews: list[float], part: str = "moe", tokens: int = 2048) -> list[dict]:
     records = []
     seeds = [_cfg(s, **tile) for tile in MOE_TILES for s in _SCHEDULERS]
+    problems = model_problems(tokens) if part == "models" else [("", p) for p, _ in _moe_problems()]
     with tempfile.TemporaryDirectory() as tmp:
         for skew in skews:
             # Keys do not name the routing: each skew tunes into its own database.
-            store = Store(f"sqlite:///{tmp}/moe-skew{skew}.db")
+            store = Store(f"sqlite:///{tmp}/{part}-skew{skew}.db")
             try:
                 with GpuBackend(ARCH, device, group_skew=skew) as backend:
-                    for p, s in _moe_problems():
-                        if s == skew:
-                            records.append(_moe_key(backend, store, Key(ARCH, backend.device_name, p), skew,
-                                                    seeds, trials))
+                    for name, p in problems:
+                        if part == "models" or (p, skew) in _moe_problems():
+                            rec = _moe_key(backend, store, Key(ARCH, backend.device_name, p), skew, seeds, trials)
+                            records.append({"part": part, **({"key": name} if name else {}), **rec})
                             print(json.dumps(records[-1]), file=sys.stderr)
             finally:
                 store.close()
@@ -144,8 +175,7 @@ def _moe_key(backend: GpuBackend, store: Store, key: Key, skew: float, seeds: li
     """Tune `key` as `tuner tune` does (the hand-picked tiles measured first), then
     time the best pool config interleaved with torch._grouped_mm and the cuBLAS loop."""
     p = key.problem
-    rec = {"part": "moe", "experts": p.groups, "M": p.m, "N": p.n, "K": p.k, "skew": skew,
-           "held_sms": p.carveout}
+    rec = {"experts": p.groups, "M": p.m, "N": p.n, "K": p.k, "skew": skew, "held_sms": p.carveout}
     tuned = tune_key(key, backend, store, Budget(trials=trials), seeds=seeds).winner
     env_id = store.environment(backend.name, key.arch, key.device, backend.versions())
     pool = [t for t in store.trials(store.key_id(key.to_dict()), env_id) if t.ok and t.config]
@@ -157,10 +187,27 @@ def _moe_key(backend: GpuBackend, store: Store, key: Key, skew: float, seeds: li
     rec.update(config=best.name(), trials=tuned.trials, pool_ms=res.ms, grouped_mm_ms=torch_mm.ms,
                cublas_loop_ms=loop.ms if loop.ok else None)
     if res.ok and torch_mm.ok:
-        rec["pool_over_grouped_mm"] = torch_mm.ms / res.ms
+        rec["speedup_vs_grouped_mm"] = torch_mm.ms / res.ms
     if res.ok and loop.ok:
-        rec["pool_over_cublas_loop"] = loop.ms / res.ms
+        rec["speedup_vs_loop"] = loop.ms / res.ms
     return rec
+
+
+def summary(records: list[dict]) -> dict:
+    """Geomean and least of each speedup over the records that have it;
+    seed 000's a point per K, its best tile's (the one a tune would pick)."""
+    best: dict[int, dict] = {}
+    for r in records:
+        if r["part"] == "seed000" and r.get("speedup_vs_loop"):
+            if r["K"] not in best or r["speedup_vs_loop"] > best[r["K"]]["speedup_vs_loop"]:
+                best[r["K"]] = r
+    points = [r for r in records if r["part"] != "seed000"] + list(best.values())
+    out = {}
+    for field in ("speedup_vs_grouped_mm", "speedup_vs_loop"):
+        values = [r[field] for r in points if r.get(field)]
+        if values:
+            out[field] = {"geomean": geomean(values), "min": min(values), "points": len(values)}
+    return out
 
 
 def geomean(values: list[float]) -> float | None:
@@ -179,16 +226,16 @@ def markdown(records: list[dict]) -> str:
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {r['K']} | {f(r['static_tflops'], '.1f')} | {f(r['dynamic_tflops'], '.1f')} | "
                   f"{f(r.get('dynamic_over_static'))} | {f(r['cublas_loop_tflops'], '.1f')} |" for r in seed]
-    moe_recs = [r for r in records if r["part"] == "moe"]
+    moe_recs = [r for r in records if r["part"] != "seed000"]
     if moe_recs:
-        lines += ["", "| experts | M | N | K | skew | held SMs | pool ms | torch._grouped_mm ms | speedup "
-                  "| cuBLAS loop ms | speedup | config |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['experts']} | {r['M']} | {r['N']} | {r['K']} | {r['skew']} | {r['held_sms']} | "
-                  f"{f(r.get('pool_ms'), '.4f')} | {f(r.get('grouped_mm_ms'), '.4f')} | "
-                  f"{f(r.get('pool_over_grouped_mm'))} | {f(r.get('cublas_loop_ms'), '.4f')} | "
-                  f"{f(r.get('pool_over_cublas_loop'))} | {r.get('config', r.get('error', '-'))} |" for r in moe_recs]
-        lines.append(f"\ngeomean speedup over torch._grouped_mm: "
-                     f"{f(geomean([r.get('pool_over_grouped_mm') for r in moe_recs]))}")
+        lines += ["", "| key | experts | M | N | K | skew | held SMs | pool ms | torch._grouped_mm ms | speedup "
+                  "| cuBLAS loop ms | speedup | config |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.get('key', '-')} | {r['experts']} | {r['M']} | {r['N']} | {r['K']} | {r['skew']} | "
+                  f"{r['held_sms']} | {f(r.get('pool_ms'), '.4f')} | {f(r.get('grouped_mm_ms'), '.4f')} | "
+                  f"{f(r.get('speedup_vs_grouped_mm'))} | {f(r.get('cublas_loop_ms'), '.4f')} | "
+                  f"{f(r.get('speedup_vs_loop'))} | {r.get('config', r.get('error', '-'))} |" for r in moe_recs]
+    for field, s in summary(records).items():
+        lines.append(f"\n{field}: geomean {f(s['geomean'])}, least {f(s['min'])} over {s['points']} points")
     return "\n".join(lines)
 
 
@@ -203,7 +250,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             device_name, versions = backend.device_name, backend.versions()
             records += seed000(backend)
     if "moe" in args.part:
-        records += moe(args.device, args.trials, args.skews)
+        records += moe(args.device, args.trials, args.skews or [0.0, DEFAULT_GROUP_SKEW])
+    if "models" in args.part:
+        records += moe(args.device, args.trials, args.skews or list(MODEL_SKEWS), part="models", tokens=args.tokens)
     if records:
         if device_name is None:
             with GpuBackend(ARCH, args.device) as backend:
@@ -213,7 +262,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         ran = {_run_part(r) for r in records}
         kept = [r for r in json.loads(out.read_text())["records"] if _run_part(r) not in ran] if out.exists() else []
         records = sorted(kept + records, key=lambda r: r["part"] != "seed000")
-        out.write_text(json.dumps({"device": device_name, "versions": versions, "records": records}, indent=1) + "\n")
+        out.write_text(json.dumps({"device": device_name, "versions": versions, "summary": summary(records),
+                                   "records": records}, indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
     print(markdown(records))
     return records
@@ -221,13 +271,18 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", nargs="+", choices=("seed000", "moe"), default=["seed000", "moe"])
+    parser.add_argument("--part", nargs="+", choices=("seed000", "moe", "models"), default=["seed000", "moe"])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--trials", type=int, default=24, help="Measured trials per MoE key.")
-    parser.add_argument("--skews", type=float, nargs="+", choices=(0.0, DEFAULT_GROUP_SKEW),
-                        default=[0.0, DEFAULT_GROUP_SKEW], help="MoE routing skews to run.")
-    return parser.parse_args(argv)
+    parser.add_argument("--skews", type=float, nargs="+", default=None,
+                        help="Zipf exponents of the routing (default: 0 and 1 for part moe, which runs only "
+                             "those, and 0, 0.8 and 1.2 for part models).")
+    parser.add_argument("--tokens", type=int, default=2048, help="Part models: tokens routed (rows = top-k x tokens).")
+    args = parser.parse_args(argv)
+    if "moe" in args.part and args.skews and set(args.skews) - {0.0, DEFAULT_GROUP_SKEW}:
+        parser.error(f"--skews: part moe runs 0 and {DEFAULT_GROUP_SKEW} only")
+    return args
 
 
 if __name__ == "__main__":

@@ -255,3 +255,26 @@ def test_grouped_kernels_refuse_pdl():
 
     with pytest.raises(kc.InvalidConfig, match="pdl"):
         Sm90GroupedGemmKernel.can_implement_grouped(GemmConfig(scheduler=STATIC, pdl=True), "rows")
+
+
+def test_the_grouped_bench_times_the_moe_models_routed_experts_and_sums_up():
+    from bench.grouped import model_problems, parse_args, summary
+
+    keys = {name: (p.m, p.n, p.k, p.groups) for name, p in model_problems(2048)}
+    assert keys["qwen3-30b-a3b.experts.gate_up"] == (2048 * 8, 1536, 2048, 128)
+    assert keys["mixtral-8x7b.experts.down"] == (2048 * 2, 4096, 14336, 8)
+    assert keys["deepseek-v3.experts.gate_up ep64"] == (2048 * 8, 4096, 7168, 4)
+    assert keys["deepseek-v3.experts.down ep32"] == (2048 * 8, 7168, 2048, 8)
+    assert len(keys) == 8
+    records = [
+        {"part": "seed000", "K": 32768, "speedup_vs_loop": 0.8},
+        {"part": "seed000", "K": 32768, "speedup_vs_loop": 0.95},   # the better tile counts
+        {"part": "models", "speedup_vs_grouped_mm": 1.2, "speedup_vs_loop": 1.5},
+        {"part": "moe", "speedup_vs_grouped_mm": 1.05},
+    ]
+    got = summary(records)
+    assert got["speedup_vs_loop"]["min"] == 0.95 and got["speedup_vs_loop"]["points"] == 2
+    assert abs(got["speedup_vs_grouped_mm"]["geomean"] - (1.2 * 1.05) ** 0.5) < 1e-12
+    assert parse_args(["--part", "models"]).skews is None
+    with pytest.raises(SystemExit):
+        parse_args(["--part", "moe", "--skews", "0.8"])
