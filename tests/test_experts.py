@@ -44,13 +44,13 @@ def test_the_tuned_experts_forward_computes_what_transformers_grouped_forward_do
         return torch._grouped_mm(a, b, offs=offs)
     monkeypatch.setattr(dispatch, "gemm", gemm)
     with torch.no_grad():
-        want = model(ids).logits
+        want = model(ids, use_cache=False).logits
         assert not calls
         blocks = experts.grouped_blocks(model)
         assert len(blocks) == 2 and experts.register()
         for block in blocks:
             experts.use(block, experts.IMPLEMENTATION)
-        got = model(ids).logits
+        got = model(ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Two grouped products a block, over top-2 x 21 tokens' rows; b is W.mT.
     rows = 2 * 3 * 7
@@ -89,19 +89,36 @@ def test_blocks_of_another_implementation_are_left_alone():
 
 
 @pytest.mark.gpu
-def test_tuned_experts_on_the_gpu_match_transformers_grouped_products(tmp_path):
+def test_the_tuned_experts_forward_on_a_pool_kernel_matches_transformers_on_the_gpu(monkeypatch):
+    """Both grouped products on a pool kernel (as a map's interval would
+    choose it), eager and replayed from a CUDA graph."""
+    import kernels.compile as kc
+    from kernels.space import GemmConfig
+
     model = _moe_model("cuda", torch.bfloat16)
     ids = torch.randint(0, 512, (4, 64), device="cuda")
-    dispatch.configure(str(tmp_path / "t.db"), online=True)  # every M measured on its first call
-    try:
-        with torch.no_grad():
-            want = model(ids).logits.float()
-            experts.register()
-            for block in experts.grouped_blocks(model):
-                experts.use(block, experts.IMPLEMENTATION)
-            model(ids)  # first calls tune online
-            got = model(ids).logits.float()
-    finally:
-        dispatch.configure(None)
-    err = (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
-    assert err < 2e-2
+    run = kc.get_kernel(GemmConfig(scheduler="dynamic_persistent"), dtype_in="bf16", dtype_out="bf16", layout="tn",
+                        grouped="rows")
+    calls = []
+
+    def gemm(a, b, out=None, *, offs=None):
+        out = torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
+        run(a, b.mT, offs, out)  # the runner takes the weights as stored, (E, N, K)
+        calls.append(a.shape[0])
+        return out
+    monkeypatch.setattr(dispatch, "gemm", gemm)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits.float()
+        experts.register()
+        for block in experts.grouped_blocks(model):
+            experts.use(block, experts.IMPLEMENTATION)
+        got = model(ids, use_cache=False).logits.float()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = model(ids, use_cache=False).logits
+        graph.replay()
+        torch.cuda.synchronize()
+    assert calls and set(calls) == {4 * 64 * 2}
+    for out in (got, replayed.float()):
+        err = (torch.linalg.vector_norm(out - want) / torch.linalg.vector_norm(want)).item()
+        assert err < 2e-2
