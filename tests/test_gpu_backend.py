@@ -313,3 +313,15 @@ def test_quick_probe_reads_the_driver_and_measures_in_seconds(gpu):
     assert facts["sms"] > 0 and facts["l2_bytes"] > 0 and facts["hbm_bw"] > 1e11 and facts["clock_hz"] > 1e8
     assert figures["seconds"] < 60
     assert 200 < figures["copy_gbps"] < 2e4 and 50 < figures["mma_tflops"] < 1e4 and 0.1 < figures["launch_us"] < 50
+
+
+def test_compile_workers_take_the_hosts_cores_or_what_a_multi_gpu_tune_shares_out(monkeypatch):
+    from tuner.backends.gpu import COMPILE_WORKERS_ENV, compile_workers
+
+    monkeypatch.delenv(COMPILE_WORKERS_ENV, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert compile_workers() == 14
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "7")
+    assert compile_workers() == 7
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "none")
+    assert compile_workers() == 14

@@ -40,6 +40,9 @@ from tuner.backends.model import register_facts
 # A request's reply must come within this many seconds (compile + check +
 # timing of one config take a few seconds; a hung kernel never replies).
 DEFAULT_TIMEOUT_S = 60.0
+# Compiler processes of one tune (`compile_workers`); `tune --devices` shares
+# the host's among its workers through it.
+COMPILE_WORKERS_ENV = "TUNER_COMPILE_WORKERS"
 # The quick calibration's probe takes a few seconds.
 PROBE_TIMEOUT_S = 120.0
 # Starting a worker imports torch and creates a CUDA context.
@@ -219,9 +222,10 @@ class WorkerProcess:
 
 
 def compile_workers() -> int:
-    """Processes compiling ahead: the host's cores but the two that measure
-    (this process and the worker)."""
-    return max(1, (os.cpu_count() or 1) - 2)
+    """Processes compiling ahead: $TUNER_COMPILE_WORKERS, else the host's
+    cores but the two that measure (this process and the worker)."""
+    given = os.environ.get(COMPILE_WORKERS_ENV, "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) - 2)
 
 
 def worker_argv(device_index: int) -> list[str]:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
+from tuner.backends.gpu import COMPILE_WORKERS_ENV, compile_workers
 from tuner.search.progress import FamilyRecord, Report, count, rung_text, seconds_text
 
 
@@ -99,8 +100,10 @@ def run(devices: list[str], tune_args: list[str], report: Report) -> list[Worker
     `report` until every one has exited, and return them."""
     events: queue.Queue = queue.Queue()
     workers = []
+    # The host's compiler processes are shared out among the workers.
+    compilers = str(max(1, compile_workers() // len(devices)))
     for i, device in enumerate(devices):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=device)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=device, **{COMPILE_WORKERS_ENV: compilers})
         proc = subprocess.Popen(
             [sys.executable, "-m", "tuner.cli", "tune", *tune_args, "--worker-events"],
             stdout=subprocess.PIPE, text=True, env=env,
