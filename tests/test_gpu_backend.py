@@ -4,6 +4,7 @@ the cuBLAS baseline, fault recovery and the SM carve-out."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 import textwrap
 
