@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kernels.space import (
@@ -94,6 +94,10 @@ class Variant:
     trace: bool = False
 
     def __post_init__(self) -> None:
+        # An SM budget sizes the launch (`_Runner`), not the code: every
+        # budget shares the one compile.
+        if self.cfg.sm_budget:
+            object.__setattr__(self, "cfg", replace(self.cfg, sm_budget=0))
         # Sizes 8 satisfy every alignment rule; this checks dtypes and layout.
         check_operands(8, 8, 8 * self.cfg.split_k, 1, self.dtype_in, self.dtype_out, self.layout)
         check_output(self.cfg, self.dtype_out)
@@ -608,12 +612,13 @@ def _scratch_buf(device_index: int, cfg: GemmConfig, m: int, n: int, clusters: i
 class _Runner:
     """``runner(a, b, out)``: out = a @ b (tn: a @ b.T) on the current stream."""
 
-    def __init__(self, fn, v: Variant, device_index: int):
+    def __init__(self, fn, v: Variant, device_index: int, sm_budget: int = 0):
         self._fn = fn
         self._split_k = v.cfg.split_k
         self._scratch = v.scratch
         self._device = device_index
-        self._max_clusters = _clusters_per_wave(device_index, v.cfg.cluster_size)
+        self._max_clusters = replace(v.cfg, sm_budget=sm_budget).budget_clusters(
+            _clusters_per_wave(device_index, v.cfg.cluster_size))
         self.variant = v
 
     def __call__(self, a, b, out, *records) -> None:
@@ -643,12 +648,13 @@ class _GroupedRunner:
     group's K a multiple of 64. `offs` (int32, G) stays on the device.
     """
 
-    def __init__(self, fn, v: Variant, device_index: int):
+    def __init__(self, fn, v: Variant, device_index: int, sm_budget: int = 0):
         from kernels.grouped import MAX_GROUPS
 
         self._fn = fn
         self._device = device_index
-        self._max_clusters = _clusters_per_wave(device_index, v.cfg.cluster_size)
+        self._max_clusters = replace(v.cfg, sm_budget=sm_budget).budget_clusters(
+            _clusters_per_wave(device_index, v.cfg.cluster_size))
         self._max_groups = MAX_GROUPS
         self.variant = v
 
@@ -675,4 +681,4 @@ def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, g
     if cfg.arch != arch:
         raise InvalidConfig(f"{cfg.arch} config on a {arch} device")
     v = Variant(cfg, dtype_in, dtype_out, layout, grouped, trace)
-    return (_GroupedRunner if grouped else _Runner)(_function(v, arch), v, device_index)
+    return (_GroupedRunner if grouped else _Runner)(_function(v, arch), v, device_index, cfg.sm_budget)

@@ -148,6 +148,10 @@ _KNOBS = {
 }
 
 
+# Most SMs an SM budget may name (more than any GPU of the pool's archs has).
+MAX_SMS = 1024
+
+
 class InvalidConfig(ValueError):
     """A config the pool cannot build, or cannot run on a given problem."""
 
@@ -188,6 +192,11 @@ class GemmConfig:
     waits for that kernel (`griddepcontrol.wait`). Only a caller whose B is
     a constant weight may run it (`tuner.runtime.patch`), so it is a launch
     variant of a stored winner, not a knob the search samples (named "pdl").
+
+    sm_budget (persistent schedulers): the SMs the persistent grid may
+    cover, 0 for all of them: a grid of fewer clusters leaves the other SMs
+    to a kernel running beside (a collective). It sizes the launch, not the
+    code: every budget runs one compiled kernel (named "sm<N>").
     """
 
     arch: str = "sm90"
@@ -209,6 +218,7 @@ class GemmConfig:
     l2_hint: str = "normal"
     tile_k: int = TILE_K
     pdl: bool = False
+    sm_budget: int = 0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -220,6 +230,11 @@ class GemmConfig:
     @property
     def persistent(self) -> bool:
         return self.scheduler != "single_tile"
+
+    def budget_clusters(self, wave: int) -> int:
+        """Clusters the persistent grid launches, `wave` of them on the
+        whole device: as many as the SM budget holds (at least one)."""
+        return min(wave, max(1, self.sm_budget // self.cluster_size)) if self.sm_budget else wave
 
     @property
     def dynamic(self) -> bool:
@@ -294,6 +309,8 @@ class GemmConfig:
             parts.append("L" + _L2_TAGS[self.l2_hint])
         if self.pdl:
             parts.append("pdl")
+        if self.sm_budget:
+            parts.append(f"sm{self.sm_budget}")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -333,6 +350,8 @@ class GemmConfig:
                     fields_["swap_ab"] = True
                 elif part == "pdl":
                     fields_["pdl"] = True
+                elif part.startswith("sm"):
+                    fields_["sm_budget"] = int(part[2:])
                 elif part[0] == "L" and part[1:] in _L2_NAMES:
                     fields_["l2_hint"] = _L2_NAMES[part[1:]]
                 elif part[0] == "d":
@@ -456,6 +475,12 @@ def validate(cfg: GemmConfig) -> None:
         raise InvalidConfig(f"pdl={cfg.pdl!r} is not a bool")
     if cfg.pdl and cfg.arch != "sm90":
         raise InvalidConfig(f"pdl (programmatic dependent launch) is built for sm90 only, not {cfg.arch}")
+    if isinstance(cfg.sm_budget, bool) or not isinstance(cfg.sm_budget, int) or not 0 <= cfg.sm_budget <= MAX_SMS:
+        raise InvalidConfig(f"sm_budget={cfg.sm_budget!r} is not a count of SMs from 0 (all) to {MAX_SMS}")
+    if cfg.sm_budget and not cfg.persistent:
+        raise InvalidConfig("sm_budget sizes a persistent grid; single_tile launches a CTA a tile")
+    if 0 < cfg.sm_budget < cfg.cluster_size:
+        raise InvalidConfig(f"sm_budget={cfg.sm_budget} holds no cluster of {cfg.cluster_size} CTAs")
 
     # Knobs that do not apply must sit at their neutral value, so that one
     # kernel has exactly one config (no duplicates for the search to time).

@@ -274,6 +274,23 @@ def test_correct_on_awkward_shapes(cfg, layout):
     _check(cfg, layout, SHAPES)
 
 
+BUDGET_SHAPES = [(4096, 4096, 1024), (777, 5000, 520), (1, 8192, 4096), (300, 264, 8192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg, shapes", [
+    (GemmConfig(scheduler=STATIC, sm_budget=20), BUDGET_SHAPES),
+    (GemmConfig(scheduler=DYN, tile_n=256, cluster_m=2, sm_budget=100), BUDGET_SHAPES),
+    (GemmConfig(scheduler="stream_k", tile_n=256, sm_budget=66), BUDGET_SHAPES),
+    (GemmConfig(scheduler=STATIC, tile_m=64, tile_n=8, stages=8, swap_ab=True, split_k=4, sm_budget=32),
+     [(1, 8192, 4096), (5, 5000, 512)]),
+], ids=lambda c: c.name() if isinstance(c, GemmConfig) else "")
+def test_a_persistent_grid_on_an_sm_budget_covers_every_tile(cfg, shapes):
+    """Fewer clusters than the device holds walk every tile (many waves of
+    them, partial ones, K split or streamed)."""
+    _check(cfg, "tn", shapes)
+
+
 # Tiles that fit the problem (widths in steps of 16, 192 rows): sizes off
 # every tile multiple, a partial last wave and the 27B o shape they are for.
 NEW_TILE_CONFIGS = [

@@ -130,6 +130,10 @@ def test_accepted(fields):
         (dict(arch="sm100", l2_hint="b_first"), "sm90 TMA loads only"),
         (dict(arch="sm100", pdl=True), "sm90 only"),
         (dict(pdl="yes"), "pdl='yes' is not a bool"),
+        (dict(scheduler="single_tile", sm_budget=64), "sm_budget sizes a persistent grid"),
+        (dict(cluster_m=2, cluster_n=2, sm_budget=3), "holds no cluster of 4 CTAs"),
+        (dict(sm_budget=-8), "sm_budget=-8 is not a count of SMs"),
+        (dict(sm_budget=2000), "sm_budget=2000 is not a count of SMs"),
     ],
 )
 def test_rejected(fields, reason):
@@ -255,6 +259,20 @@ def test_a_pdl_build_is_named_and_loads_as_plain_from_older_records():
     assert GemmConfig.from_dict({k: v for k, v in pdl.to_dict().items() if k != "pdl"}) == plain
     # A launch variant of a winner, not a knob the search samples.
     assert "pdl" not in space.knobs("sm90")
+
+
+def test_an_sm_budget_is_named_sizes_the_grid_and_shares_the_compile():
+    import kernels.compile as kc
+
+    whole = GemmConfig(scheduler="dynamic_persistent", tile_n=256, cluster_m=2)
+    budget = replace(whole, sm_budget=100)
+    assert budget.name() == whole.name() + "-sm100" and GemmConfig.from_name(budget.name()) == budget
+    assert GemmConfig.from_dict({k: v for k, v in budget.to_dict().items() if k != "sm_budget"}) == whole
+    # 100 SMs hold 50 clusters of 2; a wave of the device, 66, otherwise.
+    assert (budget.budget_clusters(66), whole.budget_clusters(66), budget.budget_clusters(40)) == (50, 66, 40)
+    assert replace(whole, sm_budget=2).budget_clusters(66) == 1
+    assert kc.cache_path(budget) == kc.cache_path(whole)
+    assert "sm_budget" not in space.knobs("sm90")
 
 
 def test_a_stage_of_k_128_is_named_sized_and_checked():

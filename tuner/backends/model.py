@@ -543,7 +543,7 @@ def _group_shapes(p: Problem) -> list[tuple[int, int]]:
 def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Plan:
     cm, cn = cfg.cluster_tile
     cs = cfg.cluster_size
-    workers = dev.clusters(cs)
+    workers = cfg.budget_clusters(dev.clusters(cs))
     free_workers = min(workers, (dev.sms - p.carveout) // cs)
     if free_workers < 1:
         raise InvalidConfig(
