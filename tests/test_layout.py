@@ -14,7 +14,7 @@ PACKAGES = ("kernels", "db", "tuner", "service")
 FLOORS = [
     {"kernels", "db"},
     {"tuner.key"},
-    {"tuner.records", "tuner.shapes"},
+    {"tuner.records", "tuner.shapes", "tuner.config_shapes"},
     {"tuner.backends"},
     {"tuner.runtime"},
     {"tuner.search", "tuner.observe"},
