@@ -115,6 +115,8 @@ def tune(
     (--model). On stderr: in a terminal, a live line per family being tuned
     (M, trials, best speedup so far); a line per family tuned; a totals
     line. `tuner show --family` prints the stored M maps."""
+    # A time budget counts from here: starting the GPU worker is part of the tune.
+    started = time.monotonic()
     from tuner.backends.model import model_source
     from tuner.search.ladder import owner_id, tune_families
     from tuner.runtime.lookup import family_of
@@ -153,7 +155,7 @@ def tune(
     if backend != "model":
         err_console.print(f"model: {model_source(arch, bk.device_name)}", highlight=False, soft_wrap=True)
     budget = Budget(trials=trials or DEFAULT_TRIALS[backend], seconds=seconds,
-                    until=time.monotonic() + budget_s if budget_s else None)
+                    until=started + budget_s if budget_s else None)
     families: dict[tuple, list] = {}
     for entry in entries:
         key = Key(arch, bk.device_name, entry.problem)
