@@ -17,7 +17,9 @@ downloaded).
    the runs below call (decoder layers: batch x seq of each prefill and the
    batch of each decode; lm_head: the batches only, as the logits are those of
    the last position) is tuned into DB with `tuner tune --backend B`, ladders
-   on (a rerun skips what is current). `--tune-only` stops there.
+   on (a rerun skips what is current); a mixture of experts' grouped products
+   too (`groups=E`, top-k rows a token), which `patch` routes through the
+   grouped dispatch (the record's `experts_blocks`). `--tune-only` stops there.
 2. Check: each model's patched copy is checked (`tuner.check`) on one forward
    of each prefill case and one decode step at each batch, `--check-rounds`
    rounds, as a user checks on their own workload: kernel intervals whose
@@ -121,9 +123,9 @@ from bench.dynamic_m import compile_choices
 from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner import check, unpatch
-from tuner.runtime import dispatch
+from tuner.runtime import dispatch, experts
 from tuner import patch
-from tuner.runtime.linears import build_model, linear_shapes
+from tuner.runtime.linears import build_model, config_path, expert_keys, linear_shapes, load_config
 from tuner.backends.measure import gc_paused, paired_speedup, trimmed_mean
 from tuner.runtime.patch import PatchWarning, TunedLinear, host_costs
 
@@ -155,9 +157,15 @@ def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], d
     head_ms = sorted({b for b, _ in prefill} | set(decode))
     lines = []
     for name in models:
-        for s in linear_shapes(build_model(name, num_layers=layers)):
+        model = build_model(name, num_layers=layers)
+        for s in linear_shapes(model):
             ms = head_ms if s.names == ("lm_head",) else layer_ms
             lines.append(f"{','.join(map(str, ms))} {s.n} {s.k} name={name}.{'+'.join(s.names)}")
+        # A mixture of experts' grouped products: top-k rows a token.
+        path = config_path(name)
+        top_k, grouped, _ = expert_keys(model, load_config(path) if path else {})
+        for label, e, n, k in grouped:
+            lines.append(f"{','.join(str(m * top_k) for m in layer_ms)} {n} {k} groups={e} name={name}.{label}")
     return "\n".join(lines) + "\n"
 
 
@@ -280,6 +288,9 @@ class _Role:
 
     def __init__(self, model: torch.nn.Module, layers: list, patched: bool) -> None:
         self.model, self._layers, self.patched = model, layers, patched
+        # Experts blocks `patch` switched to the grouped dispatch.
+        self._experts = [b for b in experts.grouped_blocks(model)
+                         if b.config._experts_implementation == experts.IMPLEMENTATION]
 
     @property
     def config(self):
@@ -289,6 +300,8 @@ class _Role:
         cls = TunedLinear if self.patched else torch.nn.Linear
         for layer in self._layers:
             layer.__class__ = cls
+        for block in self._experts:
+            experts.use(block, experts.IMPLEMENTATION if self.patched else experts.GROUPED)
 
     def __call__(self, **kwargs):
         self.apply()
@@ -381,8 +394,12 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
+    blocks = experts.grouped_blocks(tuned)
     record = {"model": name, "layers": args.layers, "graphs": args.graphs, "patch_warnings": warned,
               "families": families, "check": [dataclasses.asdict(c) for c in checked],
+              # Mixture-of-experts blocks, and those `patch` put on the grouped dispatch.
+              "experts_blocks": {"all": len(blocks), "on_grouped_dispatch": sum(
+                  b.config._experts_implementation == experts.IMPLEMENTATION for b in blocks)},
               "kernel_spans": {name: {kind: [list(span) for span in getattr(m, f"tuner_{spans}")]
                                       for kind, spans in (("eager", "spans"), ("compiled", "compiled_spans"),
                                                           ("gather", "gather"))}

@@ -185,3 +185,26 @@ def test_the_e2e_output_limit_is_unchanged():
     assert out["outputs_within_limit"] and math.isclose(out["max_rel_err"], 0.019)
     decode["eager"]["rel_err"] = 0.021
     assert not summarize([{"model": "m", "prefill": [], "decode": [decode]}])["outputs_within_limit"]
+
+
+def test_the_e2e_tunes_and_swaps_a_mixture_of_experts_grouped_products():
+    from bench.e2e import _Role, shape_file
+    from tests.test_experts import _moe_model
+    from tuner.runtime import experts
+    from tuner.shapes import parse_text
+
+    text = shape_file(["bench/configs/qwen3-30b-a3b.json"], 2, [(1, 512)], [1, 16])
+    grouped = {(e.problem.m, e.problem.n, e.problem.k, e.problem.groups) for e in parse_text(text, "e2e")
+               if e.problem.groups > 1}
+    # The layers' rows (1, 16, 512 tokens) times top-8, over 128 experts.
+    assert grouped == {(m * 8, n, k, 128) for m in (1, 16, 512) for n, k in ((1536, 2048), (2048, 768))}
+    model = _moe_model()
+    blocks = experts.grouped_blocks(model)
+    for block in blocks:
+        experts.use(block, experts.IMPLEMENTATION)
+    role = _Role(model, [], patched=False)
+    role.apply()
+    assert all(b.config._experts_implementation == experts.GROUPED for b in blocks)
+    role.patched = True
+    role.apply()
+    assert all(b.config._experts_implementation == experts.IMPLEMENTATION for b in blocks)

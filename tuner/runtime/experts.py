@@ -97,9 +97,11 @@ def unpatch_experts(model: nn.Module) -> None:
 
 
 def use(block: nn.Module, implementation: str) -> None:
-    """Set `block`'s experts implementation. Its config is copied first: the
-    model's layers share one, and each block is switched on its own."""
-    block.config = copy.copy(block.config)
+    """Set `block`'s experts implementation. Its config is copied the first
+    time: the model's layers share one, and each block is switched on its own."""
+    if not getattr(block, "tuner_own_config", False):
+        block.config = copy.copy(block.config)
+        block.tuner_own_config = True
     block.config._experts_implementation = implementation
 
 

@@ -156,7 +156,7 @@ def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
         # A shape no kernel can take (a gate of one output) stays in the file
         # as a comment, so that the file still tunes and says what runs cuBLAS.
         lines.append(line if why is None else f"# {line}: runs cuBLAS, {why}")
-    top_k, grouped, other = _expert_keys(model, load_config(path) if path else {})
+    top_k, grouped, other = expert_keys(model, load_config(path) if path else {})
     if grouped:
         lines.append(f"# experts (3-D weights, y = x @ W[e].T): M = rows routed, top-{top_k} x tokens")
         lines += [f"{','.join(str(m * top_k) for m in m_values)} {n} {k} groups={e} dtype={dtype} name={name}.{label}"
@@ -179,7 +179,7 @@ def _outside_the_pool(shape: LinearShape, dtype: str) -> str | None:
     return None
 
 
-def _expert_keys(model, config: dict) -> tuple[int, list[tuple[str, int, int, int]], list[str]]:
+def expert_keys(model, config: dict) -> tuple[int, list[tuple[str, int, int, int]], list[str]]:
     """The config's top-k and the grouped keys of the model's experts:
     (label, E, N, K) of every distinct 3-D floating weight (E, N, K) whose E
     is the config's expert count (when it names a top-k); and `Module.param
