@@ -116,8 +116,10 @@ def main() -> None:
         if args.keep_db:
             shutil.copy(db, args.keep_db)
         dbs = [str(db)] + ([args.reference] if args.reference else [])
+        # `bench.dynamic_m` times dense families; grouped (MoE) keys are `bench.grouped`'s.
+        dense = dynamic_m.families([str(shapes)], args.only or "*")
         benched = bench_maps(dbs, [str(shapes)], args.only or "*", args.points, args.rounds, args.placements,
-                             args.seed)
+                             args.seed) if dense else [{"geomean": None, "min": None, "count": 0} for _ in dbs]
     totals = tune["totals"]
     record = {
         "model": args.name, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -134,8 +136,8 @@ def main() -> None:
         "points": benched[0]["count"], "rounds": args.rounds, "placements": args.placements,
         "tune": tune["families"], "maps": tune.get("maps"), "bench": benched,
     }
-    for b in benched:
-        b["db"] = "cold tune" if b["db"] == dbs[0] else os.path.basename(b["db"])
+    for b, path in zip(benched, dbs):
+        b["db"] = "cold tune" if path == dbs[0] else os.path.basename(path)
     save(record, args.out, f"{device_slug(record['device'])}-cold-tune-{args.name}")
 
 
