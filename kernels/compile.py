@@ -381,29 +381,30 @@ class CompileQueue:
     tune queues a family's candidates up front, and the one it is about to
     measure must not wait behind them."""
 
-    def __init__(self, workers: int, *, dtype_in: str = "bf16", dtype_out: str = "bf16", layout: str = "tn"):
+    def __init__(self, workers: int):
         self.workers = max(1, workers)
-        self._variant = functools.partial(Variant, dtype_in=dtype_in, dtype_out=dtype_out, layout=layout)
         self._waiting: list[tuple[Variant, Path]] = []
         self._running: set[Path] = set()
         self._cond = threading.Condition(threading.RLock())
 
-    def submit(self, cfgs: list[GemmConfig]) -> None:
-        """Queue the configs of `cfgs` neither cached nor queued yet."""
+    def submit(self, cfgs: list[GemmConfig], **variant) -> None:
+        """Queue the compiles of `cfgs` (as `Variant(cfg, **variant)`: dtypes,
+        layout, grouped form) neither cached nor queued yet."""
         with self._cond:
             queued = self._running | {path for _, path in self._waiting}
             for cfg in cfgs:
-                v = self._variant(cfg)
+                v = Variant(cfg, **variant)
                 path = _cache_path(v)
                 if path not in queued and not path.exists():
                     self._waiting.append((v, path))
                     queued.add(path)
             self._feed()
 
-    def wait(self, cfg: GemmConfig) -> None:
-        """Return once `cfg` is compiled or failed to (or was never queued),
-        compiling it next if it is still waiting its turn."""
-        path = _cache_path(self._variant(cfg))
+    def wait(self, cfg: GemmConfig, **variant) -> None:
+        """Return once `cfg` (as `Variant(cfg, **variant)`) is compiled or
+        failed to (or was never queued), compiling it next if it is still
+        waiting its turn."""
+        path = _cache_path(Variant(cfg, **variant))
         with self._cond:
             for i, (_, queued) in enumerate(self._waiting):
                 if queued == path:

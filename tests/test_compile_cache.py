@@ -71,3 +71,11 @@ def test_compile_queue_compiles_a_waited_for_config_ahead_of_the_queue(cache):
     assert all(kc.cache_path(c).exists() for c in cfgs)
     queue.submit(cfgs)  # cached: nothing to do
     queue.wait(cfgs[0])
+
+
+def test_compile_queue_builds_the_variant_asked_for(cache):
+    queue = kc.CompileQueue(1)
+    queue.submit([CFG], grouped="rows")
+    queue.wait(CFG, grouped="rows")
+    assert kc._cache_path(kc.Variant(CFG, grouped="rows")).exists()
+    assert not kc._cache_path(kc.Variant(CFG)).exists()

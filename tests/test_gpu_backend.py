@@ -326,3 +326,14 @@ def test_compile_workers_take_the_hosts_cores_or_what_a_multi_gpu_tune_shares_ou
     assert compile_workers() == 7
     monkeypatch.setenv(COMPILE_WORKERS_ENV, "none")
     assert compile_workers() == 14
+
+
+def test_configs_are_compiled_ahead_as_the_key_runs_them():
+    """A grouped key's candidates compile as the grouped kernel the worker loads, not the dense one."""
+    from tuner.backends.gpu import _variant
+
+    assert _variant(Problem(512, 1536, 2048, groups=128)) == dict(dtype_in="bf16", dtype_out="bf16", layout="tn",
+                                                                  grouped="rows")
+    assert _variant(Problem(1024, 1024, 4096, groups=2, group_k=(1024, 4096)))["grouped"] == "k"
+    assert _variant(Problem(64, 256, 512, layout="nn", dtype_out="fp32")) == dict(
+        dtype_in="bf16", dtype_out="fp32", layout="nn", grouped="")

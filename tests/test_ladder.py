@@ -612,7 +612,7 @@ def test_a_measured_family_compiles_its_keys_candidates_ahead_and_a_rerun_nothin
             super().__init__("sm90")
             self.prepared = []
 
-        def prepare(self, cfgs):
+        def prepare(self, cfgs, key):
             self.prepared.append(list(cfgs))
 
     backend = Measured()

@@ -25,7 +25,7 @@ class MeasuredBackend(ModelBackend):
         self.prepared: list[GemmConfig] = []
         self.measured: list[GemmConfig] = []
 
-    def prepare(self, cfgs):
+    def prepare(self, cfgs, key):
         self.prepared.extend(cfgs)
 
     def measure(self, key, cfg):

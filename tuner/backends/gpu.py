@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kernels.grouped import MAX_GROUPS
 from kernels.space import TILE_K, GemmConfig, InvalidConfig, check_problem
-from tuner.backends.gpu_worker import CUBLAS_LOOP
+from tuner.backends.gpu_worker import CUBLAS_LOOP, grouped_form
 from tuner.key import Key, Problem
 from tuner.backends.measure import Measurement
 from tuner.backends.model import register_facts
@@ -296,31 +296,31 @@ class GpuBackend:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def prepare(self, cfgs: list[GemmConfig]) -> None:
-        """Queue `cfgs` for compiling in the background, on the host's cores,
-        so that measuring one config overlaps the compiles of the next: a
-        measurement waits only for its own config's compile (which jumps the
-        queue). A compile that fails is left to the worker, whose
-        measurement then reports it."""
+    def prepare(self, cfgs: list[GemmConfig], key: Key) -> None:
+        """Queue `cfgs` for compiling, as `key` runs them, in the background
+        on the host's cores, so that measuring one config overlaps the
+        compiles of the next: a measurement waits only for its own config's
+        compile (which jumps the queue). A compile that fails is left to the
+        worker, whose measurement then reports it."""
         if self._compiles is None:
             from kernels.compile import CompileQueue
 
             self._compiles = CompileQueue(compile_workers())
-        self._compiles.submit(cfgs)
+        self._compiles.submit(cfgs, **_variant(key.problem))
 
     def probe(self) -> dict:
         """The quick calibration's micro-benchmarks (`tuner.backends.probe.measure`)."""
         reply = self._worker.call({"op": "probe"}, PROBE_TIMEOUT_S)
         return {k: v for k, v in reply.items() if k != "ok"}
 
-    def _await_compiles(self, cfgs) -> None:
-        """Wait for the background compiles of `cfgs`; the wait counts as compiling."""
+    def _await_compiles(self, cfgs, p: Problem) -> None:
+        """Wait for the background compiles of `cfgs` for `p`; the wait counts as compiling."""
         if self._compiles is None:
             return
         started = time.perf_counter()
         for cfg in cfgs:
             if isinstance(cfg, GemmConfig):
-                self._compiles.wait(cfg)
+                self._compiles.wait(cfg, **_variant(p))
         self.seconds["compile"] += time.perf_counter() - started
 
     def _call(self, msg: dict, timeout_s: float) -> dict:
@@ -366,7 +366,7 @@ class GpuBackend:
                 "configs": [_cfg_json(cfgs[i]) for i in runnable],
                 "check": [not self._is_verified(cfgs[i], p) for i in runnable],
             }
-            self._await_compiles(cfgs)
+            self._await_compiles(cfgs, p)
             try:
                 reply = self._call(msg, self.timeout_s * len(runnable))
                 results = reply.get("results") or [reply] * len(runnable)
@@ -382,7 +382,7 @@ class GpuBackend:
         p = key.problem
         msg = {"op": "measure", "problem": self._problem_json(p), "config": _cfg_json(cfg),
                "check": not self._is_verified(cfg, p)}
-        self._await_compiles([cfg])
+        self._await_compiles([cfg], p)
         try:
             m = measurement_from_json(self._call(msg, self.timeout_s))
         except WorkerLost as exc:
@@ -427,6 +427,13 @@ class GpuBackend:
     def _note(self, cfg: GemmConfig | None, p: Problem, m: Measurement) -> None:
         if m.ok:
             self._verified.add((_cfg_name(cfg), p))
+
+
+def _variant(p: Problem) -> dict:
+    """What a compile of a config for `p` is specialised for (`kernels.compile.Variant`),
+    as the worker builds it."""
+    return dict(dtype_in=p.dtype_in, dtype_out=p.dtype_out, layout=p.layout,
+                grouped=grouped_form({"groups": p.groups, "group_k": p.group_k}))
 
 
 def _grouped_refusal(cfg: GemmConfig, p: Problem) -> str | None:

@@ -153,7 +153,7 @@ def tune_family(
         todo = [k for k in [by_m[m] for m in sorted(by_m)] + [template.with_m(m) for m in ladder_ms]
                 if force or not is_current(store.winner(k.to_dict()), backend)]
         ahead = [c for k in todo for c in (first_configs(k) if k.problem.m in by_m else _rung_picks(k))]
-        compile_ahead(backend, list(dict.fromkeys(ahead)))
+        compile_ahead(backend, list(dict.fromkeys(ahead)), template)
     # Under a deadline: the listed keys share LISTED_SHARE of the family's
     # time, the rungs the rest but MAP_SHARE, which validation keeps.
     listed_budget = budget.share(LISTED_SHARE)
@@ -473,7 +473,7 @@ def _measure_points(template: Key, outcomes: dict[int, Outcome], backend: Backen
         plan.append((m, with_variants(winners[max(0, i - 1): i + 2])))
         if i + 1 < len(ladder_ms):
             plan += [(p, with_variants(winners[i: i + 2])) for p in probes(m, ladder_ms[i + 1])]
-    compile_ahead(backend, list(dict.fromkeys(c for _, cfgs in plan for c in cfgs)))
+    compile_ahead(backend, list(dict.fromkeys(c for _, cfgs in plan for c in cfgs)), template)
     return [_measure(template, m, cfgs, backend) for m, cfgs in plan]
 
 

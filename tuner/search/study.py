@@ -226,7 +226,7 @@ def tune_key(
             first += [c for c in model_picks(key) if c not in first]
         for cfg in filter(drawable, first):
             study.enqueue_trial(_params(cfg), skip_if_exists=True)
-        compile_ahead(backend, first)
+        compile_ahead(backend, first, key)
         # Seeds the sampler cannot draw are measured as they are, outside the
         # budget, and compete for the win with the study's trials.
         for cfg in itertools.filterfalse(drawable, first):
@@ -320,7 +320,7 @@ def _pick_winner(
         top = leaders[0]
         families = [(top, neighbour_variants(top))] + [(cfg, cluster_variants(cfg)) for cfg in leaders[1:]]
         variants = [v for _, around in families for v in around if key.problem.runs(v)]
-        compile_ahead(backend, [v for v in variants if v.name() not in measured])
+        compile_ahead(backend, [v for v in variants if v.name() not in measured], key)
         for variant in variants:
             measure(variant)
         # A cluster neighbour differs from its config by a few per cent, as
@@ -361,12 +361,12 @@ def _pick_winner(
     return replace(measured[name], ms=scored[name]), dict(sorted(by_scheduler.items())), scored[BASELINE]
 
 
-def compile_ahead(backend: Backend, cfgs: list[GemmConfig]) -> None:
-    """Let a backend that compiles do so for `cfgs` in parallel, ahead of the
-    one-by-one measurements."""
+def compile_ahead(backend: Backend, cfgs: list[GemmConfig], key: Key) -> None:
+    """Let a backend that compiles do so for `cfgs` as `key` runs them, in
+    parallel, ahead of the one-by-one measurements."""
     prepare = getattr(backend, "prepare", None)
     if prepare is not None and cfgs:
-        prepare(cfgs)
+        prepare(cfgs, key)
 
 
 def neighbour_variants(cfg: GemmConfig) -> list[GemmConfig]:
