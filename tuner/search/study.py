@@ -280,7 +280,10 @@ def tune_key(
 
     # Every verified trial of the key competes, whichever process measured it.
     measured.update((t.config_name, t) for t in store.trials(key_id, env_id))
-    winner, best, baseline_ms = _pick_winner(key, backend, measured, measure, variants)
+    # A key past its time skips its best config's neighbours: each is a
+    # compile and a measurement more.
+    late = timeout is not None and time.monotonic() - started > timeout
+    winner, best, baseline_ms = _pick_winner(key, backend, measured, measure, variants and not late)
     store.record_trials(key_id, env_id, unstored)
     store.set_winner(
         key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,
