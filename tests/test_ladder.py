@@ -22,6 +22,7 @@ from tuner.runtime.lookup import BASELINE, EXACT, NEAREST, RANGE, lookup, speedu
 from tuner.backends.model import ModelBackend
 from tuner.search.study import Budget, hint_variant, scheduler_variant
 from kernels.space import GemmConfig
+from tests.test_search import MeasuredBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -537,25 +538,15 @@ def test_budget_shares_the_time_left_and_a_key_past_it_measures_its_seeds_only(t
     assert Budget(trials=8).share(0.5) == Budget(trials=8) and Budget(seconds=3).timeout() == 3
     assert math.isinf(Budget().left())
 
-    class Counting(ModelBackend):
-        name = "measured"  # a measured backend's search: seeds first, then samples
-
-        def __init__(self):
-            super().__init__("sm90", bulk=False)
-            self.configs = set()
-
-        def measure(self, key, cfg):
-            self.configs.add(cfg)
-            return super().measure(key, cfg)
-
-    backend = Counting()
+    backend = MeasuredBackend("sm90")  # a measured backend's search: seeds first, then samples
     key = Key("sm90", backend.device_name, Problem(512, 5376, 4096))
     seeds = [GemmConfig(), GemmConfig(tile_n=256, stages=3)]
     out = tune_key(key, backend, Store(str(tmp_path / "t.db")), Budget(trials=40, until=now - 1), seeds=seeds,
                    explore=False)
     # Out of time: the queued seeds, no sampled trial (40 were allowed) and
     # no neighbour of the best; the final round adds its other L2 hint.
-    assert out.winner.trials == len(seeds) and set(seeds) <= backend.configs and len(backend.configs) <= 3
+    measured = set(backend.measured)
+    assert out.winner.trials == len(seeds) and set(seeds) <= measured and len(measured) <= 3
 
 
 def test_a_rung_whose_neighbours_won_with_one_config_is_settled():
@@ -605,22 +596,13 @@ def test_a_deadline_leaves_rungs_and_then_families_out_and_says_so(tmp_path):
 def test_a_measured_family_compiles_its_keys_candidates_ahead_and_a_rerun_nothing(tmp_path):
     from tuner.search.study import first_configs
 
-    class Measured(ModelBackend):
-        name = "measured"
-
-        def __init__(self):
-            super().__init__("sm90")
-            self.prepared = []
-
-        def prepare(self, cfgs, key):
-            self.prepared.append(list(cfgs))
-
-    backend = Measured()
+    backend = MeasuredBackend("sm90")
     keys = [Key("sm90", backend.device_name, Problem(m, 5376, 4096)) for m in (16, 512)]
     store = Store(str(tmp_path / "t.db"))
     tune_family(keys, backend, store, Budget(trials=6), name="o")
-    # The first batch, before any measurement: every listed key's first configs.
-    assert all(set(first_configs(k)) <= set(backend.prepared[0]) for k in keys)
+    # The first batch: every listed key's first configs, in key order.
+    listed = list(dict.fromkeys(c for k in keys for c in first_configs(k)))
+    assert backend.prepared[: len(listed)] == listed
     backend.prepared.clear()
     tune_family(keys, backend, store, Budget(trials=6), name="o")
-    assert not any(backend.prepared)
+    assert not backend.prepared

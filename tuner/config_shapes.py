@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Config fields that name a mixture of experts' routed-expert count.
-_EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 _UNGATED_MLP = frozenset({"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "starcoder2", "falcon", "phi",
                           "opt", "bloom", "mpt", "nemotron", "arcee"})
 
@@ -161,7 +161,7 @@ def _attention(text: dict, hidden: int) -> Attention | LatentAttention:
 
 
 def _experts(text: dict, hidden: int) -> Experts | None:
-    count_field = next((f for f in _EXPERT_COUNT if isinstance(text.get(f), int) and text[f] > 1), None)
+    count_field = next((f for f in EXPERT_COUNT_FIELDS if isinstance(text.get(f), int) and text[f] > 1), None)
     if count_field is None:
         return None
     count = text[count_field]

@@ -338,14 +338,22 @@ def device_model(arch: str, device: str | None = None) -> DeviceModel:
     datasheet model with the constants calibrated for that device, if any."""
     if arch not in DEVICES:
         raise ValueError(f"no device model for arch {arch!r}; expected one of {tuple(DEVICES)}")
-    entry = _calibrations(calibration_path()).get(device) if device else None
-    # Constants fitted to another version of the model mean something else
-    # in this one (the file's format is the same): the datasheet model until
-    # the device is calibrated again.
-    if entry is None or entry["arch"] != arch or entry.get("model_version") != MODEL_VERSION:
+    entry = _entry(arch, device)
+    if entry is None:
         facts = _live_facts.get(device) if device else None
         return replace(DEVICES[arch], name=device, **facts) if facts else DEVICES[arch]
     return replace(DEVICES[arch], name=device, **entry.get("facts", {}), **entry["constants"])
+
+
+def _entry(arch: str, device: str | None) -> dict | None:
+    """The calibration entry in effect for `device` on `arch`, if any.
+    Constants fitted to another version of the model mean something else in
+    this one (the file's format is the same): none until the device is
+    calibrated again."""
+    entry = _calibrations(calibration_path()).get(device) if device else None
+    if entry is None or entry["arch"] != arch or entry.get("model_version") != MODEL_VERSION:
+        return None
+    return entry
 
 
 # What a device that runs the model's datasheet defaults may replace: the
@@ -365,8 +373,8 @@ def register_facts(device: str, facts: dict) -> None:
 
 def model_source(arch: str, device: str) -> str:
     """Which model `device_model(arch, device)` gives, in a few words."""
-    entry = _calibrations(calibration_path()).get(device)
-    if entry is not None and entry["arch"] == arch and entry.get("model_version") == MODEL_VERSION:
+    entry = _entry(arch, device)
+    if entry is not None:
         kind = "quick calibration" if entry.get("source") == "quick" else "fitted calibration"
         return f"{kind} of {device} ({str(entry.get('fitted_at', ''))[:10]})"
     if device == DEVICES[arch].name:

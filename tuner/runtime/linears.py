@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tuner.config_shapes import EXPERT_COUNT_FIELDS
 from tuner.shapes import DATA_DIR
 
 MODELS_DIR = DATA_DIR / "models"
@@ -188,7 +189,7 @@ def expert_keys(model, config: dict) -> tuple[int, list[tuple[str, int, int, int
     from torch import nn
 
     text = config.get("text_config") or config
-    counts = {text[f] for f in ("num_local_experts", "num_experts", "n_routed_experts") if isinstance(text.get(f), int)}
+    counts = {text[f] for f in EXPERT_COUNT_FIELDS if isinstance(text.get(f), int)}
     top_k = text.get("num_experts_per_tok")
     routed = bool(counts) and isinstance(top_k, int)
     grouped: dict[tuple[int, int, int], list[str]] = {}
