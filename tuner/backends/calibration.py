@@ -369,7 +369,7 @@ def quick_entry(arch: str, driver: dict, probe: dict, calibrations: dict[str, di
         facts |= {"hbm_bw": probe["copy_gbps"] * 1e9 / base.hbm_efficiency,
                   "clock_hz": probe["mma_tflops"] * 1e12 / (sms * base.flops_per_clk_sm) / base.mma_efficiency}
         constants = {"launch_us": probe["launch_us"]}
-        how = f"the {arch} datasheet model with the measured rates (no calibrated {arch} device to scale from)"
+        how = f"the {arch} datasheet model at the measured rates (no calibrated {arch} device)"
     for field, value in constants.items():
         lo, hi = CALIBRATION_BOUNDS[field]
         constants[field] = min(hi, max(lo, value))
