@@ -1,7 +1,7 @@
 """One worker against two (`tuner tune --devices 0,1`) on the Gemma 3 27B keys: wall times and winners.
 
     python -m bench.scale warm    [--work DIR]              # fill the compile cache (a throw-away tune)
-    python -m bench.scale tune    [--work DIR]              # 1 worker, then 2, each into its own database
+    python -m bench.scale tune    [--work DIR] [--run one two]  # 1 worker, then 2, each into its own database
     python -m bench.scale compare [--work DIR] [--out DIR]  # both runs' winners re-measured on GPU 0
 
 Three steps, each well under ten minutes on an H100 / H200. Compiling is
@@ -10,6 +10,8 @@ worker of a host: `warm` compiles what the tunes will ask for (a tune into a
 database thrown away afterwards), so that both timed runs start from the same
 warm cache and measure tuning, not compiling. Both timed runs go through
 `--devices` (1 worker: `--devices 0`), so they differ only in the worker count.
+`--run` takes the runs one at a time (a call each, where a call's time is
+limited) or in another order; each run's time is added to the step's record.
 
 `compare` opens both databases and, for every key both stored a winner for,
 re-measures the two winners interleaved (`GpuBackend.remeasure`) on GPU 0;
@@ -39,6 +41,8 @@ SHAPES, ONLY = "gemma3.txt", "gemma3-27b.*"
 LISTED_M = (1, 16, 128, 512, 2048, 8192)
 WALL_RATIO_MAX = 0.6
 AGREEMENT = 0.03
+# The timed runs: their names and the devices each tunes on.
+RUNS = {"one": "0", "two": "0,1"}
 
 
 def _tune(db: Path, devices: str) -> dict:
@@ -60,14 +64,16 @@ def warm(work: Path) -> None:
     db.unlink()
 
 
-def tune(work: Path) -> None:
-    runs = {}
-    for name, devices in (("one", "0"), ("two", "0,1")):
+def tune(work: Path, names: list[str]) -> None:
+    """The runs `names` ("one", "two") in that order, each added to tune.json."""
+    path = work / "tune.json"
+    runs = json.loads(path.read_text()) if path.exists() else {}
+    for name in names:
         db = work / f"{name}.db"
         db.unlink(missing_ok=True)
-        runs[name] = _tune(db, devices)
+        runs[name] = _tune(db, RUNS[name])
         print(json.dumps({name: runs[name]}), file=sys.stderr)
-    (work / "tune.json").write_text(json.dumps(runs, indent=1))
+        path.write_text(json.dumps(runs, indent=1))
 
 
 def compare(work: Path, out: str) -> None:
@@ -137,10 +143,12 @@ def main() -> None:
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "gemm-scale"),
                         help="Databases and the tune step's times (kept between the steps).")
     parser.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
+    parser.add_argument("--run", nargs="+", choices=tuple(RUNS), default=list(RUNS),
+                        help="The tune step's runs, in order (default: both).")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    {"warm": lambda: warm(work), "tune": lambda: tune(work), "compare": lambda: compare(work, args.out)}[args.step]()
+    {"warm": lambda: warm(work), "tune": lambda: tune(work, args.run), "compare": lambda: compare(work, args.out)}[args.step]()
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ class SliceSlots:
 
 
 class UnitSlots:
-    """Stream-K: slice s of stream-K tile `unit_tile` parks in its unit's slot
-    (`StreamKScheduler.slot`), one per CTA of the cluster."""
+    """Stream-K: contributor s of stream-K tile `unit_tile` parks in its
+    unit's slot (`StreamKScheduler.slot`), one per CTA of the cluster."""
 
     def __init__(self, sched, unit_tile, cluster_mn: tuple[int, int]):
         self.sched = sched

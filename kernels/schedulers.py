@@ -16,7 +16,10 @@ indices a cluster visits:
   ``dynamic_persistent``, while the tiles that would make a partial wave are
   cut into K slices of equal k-block counts, claimed after them, so that
   the last wave keeps every SM busy; the clusters that share a tile reduce
-  their partial accumulators in the kernel (`StreamKScheduler`).
+  their partial accumulators in the kernel (`StreamKScheduler`). With
+  ``even`` (swap_ab tiles: the weight streamed at few rows) the paper's own
+  split instead: every cluster gets an equal, contiguous range of the
+  launch's k-blocks, tile after tile, and no index is claimed.
 - ``dynamic_persistent``: cluster c starts at c; afterwards the scheduler warp
   of its leader CTA claims the next index with a global ``atomic_add`` on a
   claim counter and publishes it to every warp role of every CTA of the
@@ -89,6 +92,8 @@ class SchedulerSpec:
     depth: int = 1
     # Consumer warpgroups that take turns on a CTA's tiles (pingpong: 2).
     turns: int = 1
+    # Stream-K in equal contiguous k-block ranges (`StreamKScheduler`).
+    even: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -103,6 +108,7 @@ class SchedulerSpec:
             raster_m=cfg.raster == "m",
             depth=cfg.sched_depth,
             turns=2 if cfg.pingpong else 1,
+            even=cfg.stream_k and cfg.swap_ab,
         )
 
     @property
@@ -112,7 +118,7 @@ class SchedulerSpec:
     @property
     def dynamic(self) -> bool:
         """Whether a cluster's work after its first comes from the claim counter."""
-        return self.kind in ("dynamic_persistent", "stream_k")
+        return self.kind == "dynamic_persistent" or self.stream_k and not self.even
 
     @property
     def stream_k(self) -> bool:
@@ -124,11 +130,14 @@ class SchedulerSpec:
         Clusters line up along x so that a tile count far above 65535 (the
         limit of y and z) still launches. Stream-K (which needs `k_tiles`,
         the k-blocks of one tile) fills the device even when there are fewer
-        tiles than clusters, as long as each unit keeps `SK_MIN_K_TILES`.
+        tiles than clusters, as long as each unit keeps `SK_MIN_K_TILES`;
+        evenly, as long as no tile is shared by more than `SK_MAX_SLICES`.
         """
         clusters = grid.count
         if const_expr(self.kind == "single_tile"):
             clusters = _ceil_div(clusters, self.turns)
+        elif const_expr(self.even):
+            clusters = cutlass.min(clusters * cutlass.min(k_tiles, SK_MAX_SLICES - 1), max_clusters)
         elif const_expr(self.stream_k):
             units = cutlass.max(clusters, clusters * k_tiles // SK_MIN_K_TILES)
             clusters = cutlass.min(units, max_clusters)
@@ -470,18 +479,19 @@ class TileScheduler:
 
 class StreamKWork(WorkTile):
     """A `WorkTile` that covers k-blocks [k_start, k_start + k_tiles) of its
-    tile: slice `slice` of stream-K tile `unit_tile` (the tile's index among
-    the stream-K tiles), or a whole tile (unit_tile -1)."""
+    tile: contributor `slice` of the `count` whose units share stream-K tile
+    `unit_tile`, or a whole tile (unit_tile -1, count 1)."""
 
-    def __init__(self, tile: tuple, is_valid, k_start, k_tiles, unit_tile, slice_):
+    def __init__(self, tile: tuple, is_valid, k_start, k_tiles, unit_tile, slice_, count):
         super().__init__(tile, is_valid)
         self.k_start = Int32(k_start)
         self.k_tiles = Int32(k_tiles)
         self.unit_tile = Int32(unit_tile)
         self.slice = Int32(slice_)
+        self.count = Int32(count)
 
     def _fields(self) -> list:
-        return [self.k_start, self.k_tiles, self.unit_tile, self.slice]
+        return [self.k_start, self.k_tiles, self.unit_tile, self.slice, self.count]
 
     def __extract_mlir_values__(self) -> list:
         return super().__extract_mlir_values__() + cutlass.extract_mlir_values(self._fields())
@@ -520,19 +530,33 @@ class StreamKScheduler(TileScheduler):
     most `SK_MAX_SLICES`; with S < 2 there is nothing to gain and every tile
     is whole. Unit u parks in partial slot u: at most 2P slots, two per
     cluster of the grid.
+
+    ``even`` (swap_ab tiles): no operand panel is shared but the few
+    activation rows, which L2 holds, so the paper's split costs nothing and
+    balances exactly: cluster c owns k-blocks [c W / P, (c + 1) W / P) of
+    the W = T KI of the launch, tile by tile (index j: its j-th tile), the
+    grid sized to the device (`SchedulerSpec.grid_shape`) so that every SM
+    streams the same share of the weight. The clusters whose ranges meet a
+    tile are its contributors, in cluster order; a range's first unit parks
+    in slot 2c, its last in 2c + 1 (those in between are whole tiles).
     """
 
-    def __init__(self, spec, grid, num_clusters, rank_mn, k_tiles, sk, slices, dp, idx, ring, state):
+    def __init__(self, spec, grid, num_clusters, rank_mn, k_tiles, sk, slices, dp, idx, ring, state,
+                 cluster=None, begin=None, end=None):
         super().__init__(spec, grid, num_clusters, rank_mn, idx, ring, state)
         self.k_tiles = k_tiles
         self.sk = sk
         self.slices = slices
         self.dp = dp
+        # `even`: this cluster and the k-blocks [begin, end) of its range.
+        self.cluster = cluster
+        self.begin = begin
+        self.end = end
 
     def _with(self, idx, ring, state) -> "StreamKScheduler":
         return StreamKScheduler(
             self.spec, self.grid, self.num_clusters, self.rank_mn, self.k_tiles, self.sk, self.slices, self.dp,
-            idx, ring, state,
+            idx, ring, state, self.cluster, self.begin, self.end,
         )
 
     def __new_from_mlir_values__(self, values: list) -> "StreamKScheduler":
@@ -544,6 +568,12 @@ class StreamKScheduler(TileScheduler):
         cluster, clusters, rank_mn = _cta_position(spec)
         k_tiles = Int32(k_tiles)
         total = grid.count
+        if const_expr(spec.even):
+            return StreamKScheduler(
+                spec, grid, clusters, rank_mn, k_tiles, Int32(0), Int32(1), Int32(0), Int32(0), None, None,
+                cluster, _range_start(cluster, total * k_tiles, clusters),
+                _range_start(cluster + 1, total * k_tiles, clusters),
+            )
         waves = total // clusters
         partial = Int32(cutlass.select_(waves == 0, total, total - waves * clusters))
         most = cutlass.min(k_tiles // SK_MIN_K_TILES, SK_MAX_SLICES)
@@ -556,17 +586,37 @@ class StreamKScheduler(TileScheduler):
             _claim_state(spec),
         )
 
+    def advance(self) -> StreamKWork:
+        if const_expr(self.spec.even):
+            self._idx = self._idx + 1
+            return self._work()
+        return super().advance()
+
     def work_count(self) -> Int32:
         return self.dp + self.sk * self.slices
 
     def slot(self, s: Int32, unit_tile: Int32) -> Int32:
-        """Partial slot, in cluster tiles, of slice `s` of stream-K tile `unit_tile`: its unit's index."""
+        """Partial slot, in cluster tiles, of contributor `s` of stream-K tile `unit_tile`."""
+        if const_expr(self.spec.even):
+            first = self._owner(unit_tile * self.k_tiles)
+            # The first contributor's unit here ends its range unless the range starts here.
+            starts_before = _range_start(first, self.grid.count * self.k_tiles, self.num_clusters) < (
+                unit_tile * self.k_tiles)
+            last_unit = cutlass.select_(starts_before, 1, 0)
+            return 2 * (first + s) + Int32(cutlass.select_(s == 0, last_unit, 0))
         return s * self.sk + unit_tile
+
+    def _owner(self, kblock: Int32) -> Int32:
+        """`even`: the cluster whose range holds k-block `kblock` of the launch."""
+        w = Int64(self.grid.count) * Int64(self.k_tiles)
+        return Int32((Int64(kblock + 1) * Int64(self.num_clusters) - 1) // w)
 
     def _at(self, idx: Int32) -> StreamKWork:
         return self._with(idx, None, None)._work()
 
     def _work(self) -> StreamKWork:
+        if const_expr(self.spec.even):
+            return self._even_work()
         unit = self._idx - self.dp
         in_sk = unit >= 0
         sk = cutlass.max(self.sk, 1)
@@ -583,4 +633,32 @@ class StreamKScheduler(TileScheduler):
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, k_end - k_start, self.k_tiles)),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, unit_tile, -1)),
             cute.arch.make_warp_uniform(cutlass.select_(in_sk, s, 0)),
+            cute.arch.make_warp_uniform(cutlass.select_(in_sk, self.slices, 1)),
         )
+
+    def _even_work(self) -> StreamKWork:
+        """Unit `_idx` of this cluster's range: its part of the range's `_idx`-th tile."""
+        kt = self.k_tiles
+        tile = self.begin // kt + self._idx
+        lo = cutlass.max(self.begin, tile * kt)
+        hi = cutlass.min(self.end, tile * kt + kt)
+        valid = lo < hi
+        # Clamped so that a past-the-end tile still decodes to a real one.
+        tile = cutlass.min(tile, self.grid.count - 1)
+        first = self._owner(tile * kt)
+        count = self._owner(tile * kt + kt - 1) - first + 1
+        cl_m, cl_n, l = decode_tile(tile, self.grid, self.spec.swizzle, self.spec.raster_m)
+        return StreamKWork(
+            self._cta_tile(cl_m, cl_n, l),
+            valid,
+            cute.arch.make_warp_uniform(lo - tile * kt),
+            cute.arch.make_warp_uniform(hi - lo),
+            cute.arch.make_warp_uniform(cutlass.select_(count > 1, tile, -1)),
+            cute.arch.make_warp_uniform(self.cluster - first),
+            cute.arch.make_warp_uniform(count),
+        )
+
+
+def _range_start(cluster: Int32, kblocks: Int32, clusters: Int32) -> Int32:
+    """First k-block of `cluster`'s range when `kblocks` are shared evenly by `clusters`."""
+    return Int32(Int64(cluster) * Int64(kblocks) // Int64(clusters))

@@ -178,7 +178,9 @@ class GemmConfig:
     SWAP_AB_MAX_ROWS): a decode step's few rows then fill a 64 x 8 tile
     instead of padding a 64-row one, and the weight's N rows make many tiles (what
     cuBLAS runs at M = 1 on an H100: a 64x8 "tst" kernel). tile_m then
-    counts weight rows (N) and tile_n activation rows (M).
+    counts weight rows (N) and tile_n activation rows (M). Under the
+    stream-K scheduler a swap_ab kernel streams the weight: every SM gets
+    an equal contiguous share of its k-blocks (`kernels.schedulers`, even).
 
     tile_k is the K extent of one pipeline stage (named only where it is
     not the default, "t128x16x128"): at the same shared memory, 128 halves
@@ -534,8 +536,8 @@ def validate(cfg: GemmConfig) -> None:
         # atoms on the MMA's N side) crashed on the H100; 8 runs.
         if cfg.swap_ab and cfg.tile_n % 16 and cfg.tile_n != 8:
             raise InvalidConfig(f"a swap_ab tile takes 8 or a multiple of 16 activation rows, not {cfg.tile_n}")
-        if cfg.swap_ab and (cfg.pingpong or cfg.stream_k):
-            raise InvalidConfig("swap_ab tiles are cooperative and not stream-K")
+        if cfg.swap_ab and cfg.pingpong:
+            raise InvalidConfig("swap_ab tiles are cooperative")
         if cfg.pingpong and cfg.tile_m not in (64, 128):
             raise InvalidConfig(f"a pingpong tile is one warpgroup's: tile_m 64 or 128, not {cfg.tile_m}")
         # Split-K is for keys with few tiles, where a CTA rarely has a second

@@ -98,6 +98,11 @@ OFFLINE = [
     _v(scheduler=SINGLE, tile_m=128, tile_n=96, stages=6, swap_ab=True),
     _v(scheduler=STATIC, tile_m=64, tile_n=128, stages=8, cluster_m=2, swap_ab=True, dtype_out="fp32"),
     _v(scheduler=SINGLE, tile_m=128, tile_n=80, stages=8, split_k=2, swap_ab=True),
+    # ... and streamed: stream-K in even ranges of the weight's k-blocks.
+    _v(scheduler=SK, tile_m=64, tile_n=8, stages=8, swap_ab=True),
+    _v(scheduler=SK, tile_m=128, tile_n=16, stages=5, cluster_m=2, swap_ab=True, tile_k=128, pdl=True,
+       dtype_out="fp32"),
+    _v(scheduler=SK, tile_m=64, tile_n=64, stages=8, cluster_n=2, swap_ab=True, l2_hint="b_first"),
     # Widths of an odd number of 8-row atoms: B's TMA box from a one-stage
     # layout, 24- or 8-column epilogue sub-tiles (stmatrix x2, 16-bit out).
     _v(scheduler=SINGLE, tile_m=128, tile_n=168, stages=4, cluster_m=2),
@@ -158,8 +163,10 @@ def test_configs_the_space_draws_compile_and_pass_the_checks():
 def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     assert ".target sm_90a" in k.ptx
     assert "wgmma.mma_async" in k.ptx
-    # The claim counter's relaxed add: the atomic scheduler's and stream-K's.
-    assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler in (DYN, SK))
+    # The claim counter's relaxed add: the atomic scheduler's and stream-K's
+    # (but the weight-streaming kind's: its ranges are dealt, not claimed).
+    claims = v.cfg.scheduler == DYN or v.cfg.stream_k and not v.cfg.swap_ab
+    assert ("atom.global.add" in k.ptx) == claims
     # Split-K slices and stream-K units count themselves on a tile semaphore
     # and reduce in the kernel; nothing else touches global atomics.
     assert ("atom.global.acq_rel.add" in k.ptx) == (v.cfg.scheduler == DYN or v.cfg.reduces_partials)
@@ -169,7 +176,7 @@ def _check_ptx(v: kc.Variant, k: kc.OfflineKernel) -> None:
     # register (the warpgroup's), the count one warpgroup.
     assert bool(re.search(r"bar\.sync \t%r\d+, 128;", k.ptx)) == v.cfg.pingpong
     # Only a cluster's leader claims; others receive over DSMEM.
-    assert ("st.async" in k.ptx) == (v.cfg.scheduler in (DYN, SK) and v.cfg.cluster_size > 1)
+    assert ("st.async" in k.ptx) == (claims and v.cfg.cluster_size > 1)
     assert ("multicast::cluster" in k.ptx) == (v.cfg.cluster_size > 1)
     # pdl: the load warp's wait after its weight prefetch, the scheduler
     # warp's and the consumers' before they touch global memory; one trigger.
@@ -284,6 +291,8 @@ BUDGET_SHAPES = [(4096, 4096, 1024), (777, 5000, 520), (1, 8192, 4096), (300, 26
     (GemmConfig(scheduler="stream_k", tile_n=256, sm_budget=66), BUDGET_SHAPES),
     (GemmConfig(scheduler=STATIC, tile_m=64, tile_n=8, stages=8, swap_ab=True, split_k=4, sm_budget=32),
      [(1, 8192, 4096), (5, 5000, 512)]),
+    (GemmConfig(scheduler="stream_k", tile_m=64, tile_n=8, stages=8, swap_ab=True, sm_budget=50),
+     [(1, 8192, 4096), (5, 5000, 512), (1, 256, 4096)]),
 ], ids=lambda c: c.name() if isinstance(c, GemmConfig) else "")
 def test_a_persistent_grid_on_an_sm_budget_covers_every_tile(cfg, shapes):
     """Fewer clusters than the device holds walk every tile (many waves of
@@ -459,6 +468,29 @@ STREAM_K_SHAPES = [
 def test_stream_k_correct(cfg, layout):
     _check(cfg, layout, STREAM_K_SHAPES)
     _check(cfg, layout, STREAM_K_SHAPES[1:2], dtype_out="fp32")
+
+
+# Stream-K over the weight (swap_ab: even k-block ranges a cluster): ranges
+# within a tile, over several tiles, fewer k-blocks than clusters (K of one
+# k-block: whole tiles only), several activation tiles, ragged edges; back to
+# back on one scratch buffer, as above.
+STREAMED_CONFIGS = [
+    GemmConfig(scheduler=SK, tile_m=64, tile_n=8, stages=8, swap_ab=True),
+    GemmConfig(scheduler=SK, tile_m=128, tile_n=16, stages=5, swap_ab=True, tile_k=128),
+    GemmConfig(scheduler=SK, tile_m=64, tile_n=32, stages=8, cluster_m=2, swap_ab=True, l2_hint="b_first"),
+    GemmConfig(scheduler=SK, tile_m=128, tile_n=64, stages=6, cluster_n=2, swap_ab=True),
+]
+STREAMED_SHAPES = [
+    (1, 5376, 4096), (16, 8192, 5376), (1, 256, 4096), (7, 264, 8), (100, 8192, 5376), (129, 1000, 520),
+    (3, 43008, 5376), (8, 4096, 14336), (64, 1024, 4096),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", STREAMED_CONFIGS, ids=lambda c: c.name())
+def test_streamed_weight_correct(cfg):
+    _check(cfg, "tn", STREAMED_SHAPES)
+    _check(cfg, "tn", STREAMED_SHAPES[:2], dtype_out="fp32")
 
 
 # Stages of K 128 (two 128-byte swizzle rows an operand row) under every

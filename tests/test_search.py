@@ -335,9 +335,10 @@ def test_pingpong_samples_draw_only_pingpong_tiles_and_never_split_k():
     # At the shallowest pipeline every pingpong sample is a config: none is
     # pruned for a tile or a split it cannot have.
     assert all(space.is_valid({**f, "stages": 2}) for f in pingpong)
-    # swap_ab samples (cooperative, not stream-K) draw a swap tile and no split.
+    # swap_ab samples (cooperative) draw a swap tile and no split; stream-K ones too.
     swap = [f for f in drawn if f.get("swap_ab")]
-    assert swap and all("split_k" not in f and f["consumer"] == "cooperative" for f in swap)
+    assert swap and all("split_k" not in f and f.get("consumer", "cooperative") == "cooperative" for f in swap)
+    assert any(f["scheduler"] == "stream_k" for f in swap)
     assert all(space.is_valid({**f, "stages": 2}) for f in swap)
 
 

@@ -20,7 +20,7 @@ def test_sm90_pool_size_and_scheduler_split():
     # twin of K 64 exists; the rules below hold for the pool of K 64.
     configs = [c for c in pool if c.tile_k == 64]
     deep = set(pool) - set(configs)
-    assert {c.tile_k for c in deep} == {128} and len(deep) == 113760
+    assert {c.tile_k for c in deep} == {128} and len(deep) == 117312
     assert {replace(c, tile_k=64) for c in deep} <= set(configs)
     assert {c.scheduler for c in deep} == set(space.SCHEDULERS[:4])
     by_sched = {s: sum(c.scheduler == s for c in configs) for s in space.SCHEDULERS}
@@ -35,20 +35,24 @@ def test_sm90_pool_size_and_scheduler_split():
     assert max(c.tile_n for c in pingpong if c.tile_m == 128) == 200
     # Stream-K: the static walk's cooperative tiles the fixup takes (64, 128
     # or 256 rows, widths of whole 32-column sub-tiles), one K split (its own).
+    # swap_ab stream-K (even ranges of the weight) takes every swap tile.
     stream_k = [c for c in configs if c.stream_k]
     assert not any(c.pingpong for c in stream_k) and {c.split_k for c in stream_k} == {1}
-    assert {c.tile_m for c in stream_k} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in stream_k)
+    wide = [c for c in stream_k if not c.swap_ab]
+    assert {c.tile_m for c in wide} == {64, 128, 256} and all(c.tile_n % 32 == 0 for c in wide)
     # Clusters 1x1, 1x2, 2x1, 2x2, 1x4 and 4x1 (at most 4 CTAs).
     assert {(c.cluster_m, c.cluster_n) for c in configs} == {(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)}
     # swap_ab: 64 or 128 weight rows by 8 or a multiple of 16 up to 128
-    # activation rows, cooperative, not stream-K, K whole or split.
+    # activation rows, cooperative, K whole or split (or streamed evenly).
     swap = [c for c in configs if c.swap_ab]
-    assert {(c.tile_m, c.tile_n) for c in swap} == {(m, n) for m in (64, 128) for n in (8, *range(16, 129, 16))}
-    assert not any(c.pingpong or c.stream_k for c in swap)
+    tiles = {(m, n) for m in (64, 128) for n in (8, *range(16, 129, 16))}
+    assert {(c.tile_m, c.tile_n) for c in swap} == tiles
+    assert {(c.tile_m, c.tile_n) for c in swap if c.stream_k} == tiles
+    assert not any(c.pingpong for c in swap)
     assert {c.split_k for c in swap} == set(space.knobs("sm90")["split_k"])
     assert min(c.tile_n for c in configs if not c.swap_ab) == 64
-    assert len(configs) - len(pingpong) - len(stream_k) - len(swap) == 100620
-    assert len(pingpong) == 37752 and len(stream_k) == 3840 and len(swap) == 94380
+    assert len(configs) - len(pingpong) - len(wide) - len(swap) == 100620
+    assert len(pingpong) == 37752 and len(wide) == 3840 and len(swap) == 100188
 
 
 @pytest.mark.parametrize(
@@ -101,7 +105,6 @@ def test_accepted(fields):
         (dict(swap_ab=True, tile_n=24), "8 or a multiple of 16"),
         (dict(swap_ab=True, tile_n=144), "at most 128 activation rows"),
         (dict(swap_ab=True, tile_m=256, tile_n=32, stages=3), "64 or 128 weight rows"),
-        (dict(swap_ab=True, tile_n=32, scheduler="stream_k"), "not stream-K"),
         (dict(swap_ab=True, tile_n=32, consumer="pingpong"), "are cooperative"),
         (dict(arch="sm100", swap_ab=True), "swap_ab=True"),
         (dict(tile_m=96), "tile_m=96"),

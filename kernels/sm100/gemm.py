@@ -717,7 +717,7 @@ class _SharedUnit:
     def of(work, sched, scratch: PartialScratch, k_tiles, cluster_mn) -> "_SharedUnit":
         """The unit of `work`, read before `sched` advances past it."""
         shared = work.k_tiles < k_tiles
-        count = cutlass.Int32(cutlass.select_(shared, sched.slices, 0))
+        count = cutlass.Int32(cutlass.select_(shared, work.count, 0))
         m, n, _ = work.tile
         return _SharedUnit(
             shared, scratch, scratch.tile_id(m, n), count, work.slice, UnitSlots(sched, work.unit_tile, cluster_mn)

@@ -417,7 +417,7 @@ class Sm90GemmKernel:
                 whole = work.k_tiles == k_tiles
                 if not whole:
                     slots = UnitSlots(sched, work.unit_tile, self.cluster_mn)
-                    whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), sched.slices, work.slice,
+                    whole = self._reduce_partials(scratch, acc, scratch.tile_id(m, n), work.count, work.slice,
                                                   slots, mma_tidx, epi.bar)
                 if whole:
                     subtiles_done = self._store_tile(epi, acc, tma_c, gC[(None, None, m, n, l)], subtiles_done)

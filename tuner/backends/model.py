@@ -563,9 +563,13 @@ def _plan(p: Problem, cfg: GemmConfig, dev: DeviceModel, padding: float) -> _Pla
     tiles = sum(counts)
     if cfg.stream_k:
         # The grid fills the device even with fewer tiles than clusters, as
-        # long as every cluster keeps SK_MIN_K_TILES k-blocks
-        # (`SchedulerSpec.grid_shape`); all of its clusters load at once.
-        workers = min(workers, max(tiles, tiles * _cdiv(p.k, cfg.tile_k) // SK_MIN_K_TILES))
+        # long as every cluster keeps SK_MIN_K_TILES k-blocks, or (swap_ab,
+        # even ranges) as long as no tile has more than SK_MAX_SLICES
+        # contributors (`SchedulerSpec.grid_shape`); all of its clusters load at once.
+        kblocks = _cdiv(p.k, cfg.tile_k)
+        reach = (tiles * min(kblocks, SK_MAX_SLICES - 1) if cfg.swap_ab
+                 else max(tiles, tiles * kblocks // SK_MIN_K_TILES))
+        workers = min(workers, reach)
         free_workers = min(free_workers, workers)
     concurrent = min(free_workers, tiles)
     active_sms = max(1, free_workers if cfg.stream_k else concurrent) * cs
@@ -805,6 +809,8 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
     claimed as the atomic scheduler's are, then the partial wave's `sk`
     tiles cut into `slices` K slices, slice-major, claimed after them.
 
+    swap_ab tiles take even, contiguous ranges instead (`StreamKScheduler`).
+
     Every unit parks its fp32 partial and arrives on its tile's semaphore.
     Units of a slice are claimed together and are as long, so a tile's last
     slice, claimed last, is taken to arrive last: it reads the other slices'
@@ -815,14 +821,27 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
     that of a data-parallel wave (`_segment`'s).
     """
     kblocks = _cdiv(p.k, cfg.tile_k)
-    sk, slices = _stream_k_plan(plan.tiles, kblocks, plan.workers)
     (s,) = plan.segments  # stream-K is never grouped
-    lat = dev.atomic_claim_us
     exposed = _exposed_epilogue(cfg, s, dev)
+    partial = cfg.cta_tile_m * cfg.tile_n * ACC_BYTES
+    if cfg.swap_ab:
+        # Even ranges: every cluster streams W / P k-blocks, claims nothing,
+        # parks its range's first and last units and, on the tiles it ends,
+        # adds the partials of the tile's other contributors.
+        per = plan.tiles * kblocks / plan.workers
+        sharing = min(plan.workers, math.ceil(kblocks / per) + 1) if per < kblocks else 1
+        write = partial / _sm_l2_bw(dev, plan.free_workers * cfg.cluster_size) * 1e6
+        fixup = 2 * (write + dev.semaphore_us) + (sharing - 1) * write if sharing > 1 else 0.0
+        stores = per / kblocks + (1 if sharing > 1 else 0)
+        cost = per * s.mainloop / kblocks + fixup + stores * exposed
+        free = _greedy(_workers(plan.free_workers, held, start, late_start), plan.workers, cost)
+        free = free + (s.epilogue - exposed)
+        return float(free.max()), free
+    sk, slices = _stream_k_plan(plan.tiles, kblocks, plan.workers)
+    lat = dev.atomic_claim_us
     free = _workers(plan.free_workers, held, start + lat, late_start)
     free = _greedy(free, plan.tiles - sk, s.mainloop + exposed + max(0.0, lat - s.lead - exposed))
     if sk:
-        partial = cfg.cta_tile_m * cfg.tile_n * ACC_BYTES
         write = partial / _sm_l2_bw(dev, min(sk * slices, plan.free_workers) * cfg.cluster_size) * 1e6
         read = partial / _sm_l2_bw(dev, sk * cfg.cluster_size) * 1e6
         unit = s.mainloop / slices + write + dev.semaphore_us + max(0.0, lat - s.lead)

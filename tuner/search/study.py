@@ -452,8 +452,7 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
     pingpong sample is not pruned for a tile or a split it cannot have;
     swap_ab tiles ("swap_tile": weight rows x activation rows) likewise;
     stream-K, which splits K itself and reduces the shared tiles in the
-    cooperative consumers' registers, draws neither a consumer, a swap nor
-    a split.
+    cooperative consumers' registers, draws neither a consumer nor a split.
     """
     knobs = space.knobs(arch)
     choices_ = _choices(arch)
@@ -464,7 +463,7 @@ def _suggest(trial: optuna.Trial, arch: str) -> dict:
     if "consumer" in choices_ and not stream_k:
         fields["consumer"] = trial.suggest_categorical("consumer", choices_["consumer"])
         pingpong = fields["consumer"] == "pingpong"
-    if "swap_ab" in choices_ and not stream_k and not pingpong:
+    if "swap_ab" in choices_ and not pingpong:
         swap = fields["swap_ab"] = trial.suggest_categorical("swap_ab", choices_["swap_ab"])
     tile = _tile_param(pingpong, swap)
     for name, choices in choices_.items():
