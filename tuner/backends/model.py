@@ -829,7 +829,8 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
         # parks its range's first and last units and, on the tiles it ends,
         # adds the partials of the tile's other contributors.
         per = plan.tiles * kblocks / plan.workers
-        sharing = min(plan.workers, math.ceil(kblocks / per) + 1) if per < kblocks else 1
+        # Ranges start mid-tile: a tile has up to ceil(KI / per) + 1 contributors.
+        sharing = min(plan.workers, math.ceil(kblocks / per) + 1)
         write = partial / _sm_l2_bw(dev, plan.free_workers * cfg.cluster_size) * 1e6
         fixup = 2 * (write + dev.semaphore_us) + (sharing - 1) * write if sharing > 1 else 0.0
         stores = per / kblocks + (1 if sharing > 1 else 0)
