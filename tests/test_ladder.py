@@ -566,24 +566,6 @@ def test_a_rung_whose_neighbours_won_with_one_config_is_settled():
     assert _settled(won, 8) is None                                     # a neighbour on one side only
 
 
-def test_under_a_deadline_the_rungs_the_listed_winners_fit_worst_go_first():
-    from types import SimpleNamespace as NS
-
-    from tuner.search.ladder import _most_to_gain
-
-    # 27B qkv's listed winners: 16-row swap tiles up to M = 16, a 128-row
-    # one at 128. M = 32 and 64 read the weight twice or pad 4x on them.
-    won = {m: NS(winner=NS(config=GemmConfig.from_name(name).to_dict())) for m, name in [
-        (1, "sm90-single_tile-t128x16x128-c1x2-s5-w1m-ab-Lbf"), (16, "sm90-single_tile-t128x16x128-c1x2-s5-w1m-ab-Lbf"),
-        (128, "sm90-single_tile-t64x128x128-c1x1-s4-w1m-ab-Lbf"), (512, "sm90-static_persistent-t128x176-c2x1-s5-w4m"),
-        (2048, "sm90-static_persistent-t128x192-c1x2-s4-w4m"), (8192, "sm90-static_persistent-t128x192-c1x2-s4-w4m"),
-    ]}
-    key = Key("sm90", "NVIDIA H100 80GB HBM3", Problem(1, 8192, 5376))
-    order = _most_to_gain(key, won, [2, 4, 8, 32, 64, 256, 1024, 4096])
-    assert sorted(order) == [2, 4, 8, 32, 64, 256, 1024, 4096]
-    assert order[0] == 32 and order.index(64) < order.index(2) and order.index(64) < order.index(1024)
-
-
 def test_a_deadline_leaves_rungs_and_then_families_out_and_says_so(tmp_path):
     import time
 

@@ -185,10 +185,6 @@ def tune_family(
         )
 
     if ladder:
-        if budget.until is not None:
-            # Under a deadline the rungs that may gain most come first: those
-            # left unreached are the ones the listed winners serve best.
-            ladder_ms = _most_to_gain(template, outcomes, ladder_ms)
         for i, m in enumerate(ladder_ms):
             if rung_budget.left() <= 0:
                 unreached += ladder_ms[i:]
@@ -210,13 +206,13 @@ def tune_family(
     current = [r for r in store.ranges(**family) if r.source == "ladder" and not r.stale(versions)]
     covered = current and min(r.m_lo for r in current) <= min(outcomes) and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
-        return FamilyOutcome(outcomes, [], validated=False, seconds=seconds, unreached=tuple(sorted(unreached)))
+        return FamilyOutcome(outcomes, [], validated=False, seconds=seconds, unreached=tuple(unreached))
     points = _steady(template, _measure_points(template, outcomes, backend), backend)
     ranges = build_map(_steady(template, _refine(template, points, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
     lap("map")
-    return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds, unreached=tuple(sorted(unreached)))
+    return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds, unreached=tuple(unreached))
 
 
 def remap(store: Store) -> list[tuple[dict, list, list[dict]]]:
@@ -425,30 +421,6 @@ def _fill_rungs(outcomes: dict[int, Outcome]) -> list[int]:
 def _rung_picks(key: Key) -> list[GemmConfig]:
     """What a rung measures beside its neighbours' winners."""
     return model_picks(key, RUNG_MODEL_PICKS) + few_row_seeds(key)
-
-
-def _most_to_gain(template: Key, outcomes: dict[int, Outcome], ms: list[int]) -> list[int]:
-    """`ms`, the rungs a search may gain most at first: by the model's time of
-    what runs at M untuned (the faster of cuBLAS and the tuned neighbours'
-    winners, which validation measures there) over its best pick's. A
-    neighbour's tile may not fit M's rows or waves (27B qkv at M = 32 to 100,
-    between the 16-row and 128-row winners of M = 16 and 128: 1.01x cuBLAS
-    where its own rungs' winners ran 1.15x); the rung's picks do."""
-    from tuner.backends.model import baseline_ms, predict_ms
-
-    def gain(m: int) -> float:
-        key = template.with_m(m)
-        times = {}
-        for cfg in [*_rung_picks(key), *_neighbour_configs(outcomes, m)]:
-            try:
-                times[cfg] = predict_ms(key, cfg)
-            except InvalidConfig:
-                continue
-        near = [times[c] for c in _neighbour_configs(outcomes, m) if c in times]
-        best = min(times.values(), default=math.inf)
-        return min([baseline_ms(key), *near]) / best
-
-    return sorted(ms, key=gain, reverse=True)
 
 
 def _settled(outcomes: dict[int, Outcome], m: int) -> GemmConfig | None:
