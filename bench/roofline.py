@@ -41,8 +41,10 @@ Writes `<out>/<device-slug>-roofline[-SUFFIX].json` (`--suffix` names runs
 over different databases apart): per family `name`, `n`, `k`, `weight_mb`,
 `floor_us`, `floor_from`, `copy_us`, `copy_read_us`, `copy_gbps` (read and
 written bytes over the copy's time), `read_kernel_us`, `read_gbps`,
-`read_block`, `read_kernels` (every variant's us in the first rounds), `launch_us`,
-`floor_gbps`, and `points`: per M `m`, `cublas_us`, `gemm_us`, `gemm_of_floor`,
+`read_block`, `read_kernels` (every variant's us in the first rounds),
+`launch_us`, `floor_gbps`, `one_launch_bound` (the most of the floor a
+kernel reaches that pays one launch and reads at the copy's rate), and
+`points`: per M `m`, `cublas_us`, `gemm_us`, `gemm_of_floor`,
 `cublas_of_floor`, `kernel` and `rel_err` (gemm against cuBLAS); the gemm
 fields are null without `--db`. Prints an 80-column table of the same
 (a family at a time on stderr as it goes, all of it at the end). Triton
@@ -144,6 +146,13 @@ def choose_floor(copy_us: float, read_us: float) -> tuple[float, str]:
     """The floor and where it came from: the copy's time halved (it reads
     the weight and writes as much) or the read kernel's, the faster."""
     return (copy_us / 2, "copy") if copy_us / 2 <= read_us else (read_us, "read")
+
+
+def one_launch_bound(floor_us: float, copy_us: float, launch_us: float) -> float:
+    """The most of the floor a single kernel can reach that pays one launch
+    (`launch_us`) and then reads the weight as fast as the copy moves its
+    bytes: the copy's floor halves its launch too, which no kernel can."""
+    return floor_us / (launch_us + (copy_us - launch_us) / 2)
 
 
 def kernel_of(why) -> str:
@@ -288,6 +297,7 @@ def run(args: argparse.Namespace) -> dict:
                "copy_us": copy_us, "copy_read_us": copy_us / 2, "copy_gbps": 2 * nbytes / copy_us / 1e3,
                "read_kernel_us": read_kernel_us, "read_gbps": nbytes / read_kernel_us / 1e3,
                "read_block": block, "read_kernels": read_us, "launch_us": launch_us,
+               "one_launch_bound": one_launch_bound(floor_us, copy_us, launch_us),
                "points": [{key: p[key] for key in ("m", "cublas_us", "gemm_us", "gemm_of_floor",
                                                    "cublas_of_floor", "kernel", "rel_err")} for p in points]}
         record["families"].append(fam)

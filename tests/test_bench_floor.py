@@ -35,6 +35,13 @@ def test_the_read_kernels_grid_reads_every_element_once(numel, variant):
     assert programs - 1 >= 0  # the last program exists to read the tail
 
 
+def test_one_launch_bound_charges_a_whole_launch_where_the_copy_floor_halves_it():
+    # H100, Llama 3.1 8B's q/o weight: a 26.9 us copy, 3.93 us a launch.
+    assert roofline.one_launch_bound(26.9 / 2, 26.9, 3.93) == pytest.approx(13.45 / 15.415)
+    # No launch cost: a kernel at the copy's rate reaches the floor.
+    assert roofline.one_launch_bound(50.0, 100.0, 0.0) == 1.0
+
+
 def test_the_read_variants_have_distinct_names_and_fit_a_thread():
     names = {roofline.variant_name(*v) for v in roofline.READ_VARIANTS}
     assert len(names) == len(roofline.READ_VARIANTS)
