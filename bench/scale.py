@@ -1,7 +1,7 @@
 """One worker against two (`tuner tune --devices 0,1`) on the Gemma 3 27B keys: wall times and winners.
 
     python -m bench.scale warm    [--work DIR]              # fill the compile cache (a throw-away tune)
-    python -m bench.scale tune    [--work DIR] [--run one two]  # 1 worker, then 2, each into its own database
+    python -m bench.scale tune    [--work DIR] [--run one two]  # 1 worker, then 2, a database each
     python -m bench.scale compare [--work DIR] [--out DIR]  # both runs' winners re-measured on GPU 0
 
 Three steps, each well under ten minutes on an H100 / H200. Compiling is
@@ -148,7 +148,9 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    {"warm": lambda: warm(work), "tune": lambda: tune(work, args.run), "compare": lambda: compare(work, args.out)}[args.step]()
+    steps = {"warm": lambda: warm(work), "tune": lambda: tune(work, args.run),
+             "compare": lambda: compare(work, args.out)}
+    steps[args.step]()
 
 
 if __name__ == "__main__":
