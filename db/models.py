@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -46,6 +46,8 @@ class _Family:
     # Comma-separated per-group K for the seed-000 grouped form; "" otherwise.
     group_k: Mapped[str] = mapped_column(String(256), default="")
     carveout: Mapped[int] = mapped_column(Integer, default=0)
+    # Bytes of an all-reduce running beside the GEMM (tuner.key.Problem.overlap).
+    overlap: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class GemmKey(_Family, Base):
@@ -53,14 +55,14 @@ class GemmKey(_Family, Base):
     __table_args__ = (
         UniqueConstraint(
             "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups",
-            "group_k", "carveout", name="uq_gemm_key",
+            "group_k", "carveout", "overlap", name="uq_gemm_key",
         ),
         # A lookup reads every tuned M (of one or every device) of a key: the
         # unique key's index leads with arch and device, which barely narrow
         # it, and stops at M. This one puts M and device last.
         Index(
             "ix_tuner_keys_family", "n", "k", "arch", "dtype_in", "dtype_out", "layout", "groups",
-            "group_k", "carveout", "device", "m",
+            "group_k", "carveout", "overlap", "device", "m",
         ),
     )
 
@@ -123,7 +125,7 @@ class MRange(_Family, Base):
     __table_args__ = (
         Index(
             "ix_tuner_m_ranges_family", "n", "k", "arch", "dtype_in", "dtype_out", "layout", "groups",
-            "group_k", "carveout", "device", "m_lo",
+            "group_k", "carveout", "overlap", "device", "m_lo",
         ),
     )
 

@@ -23,7 +23,7 @@ from db.migrate import init_lock, upgrade
 from db.models import Environment, GemmKey, Lease, LeaseEvent, MRange, Trial, Winner
 
 KEY_FIELDS = (
-    "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups", "group_k", "carveout",
+    "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups", "group_k", "carveout", "overlap",
 )
 # A family is a key without M: the unit an M map covers.
 FAMILY_FIELDS = tuple(f for f in KEY_FIELDS if f != "m")

@@ -36,10 +36,12 @@ DTYPES_OUT = ("bf16", "fp16", "fp32")
 LAYOUTS = ("tn", "nn")
 # Bounds of a key, for every input path (shape files, imports, HTTP): sizes
 # beyond 2**31 are typos or probes, not GEMMs anyone runs; a key's groups and
-# held SMs stay within what any device and the tables hold.
+# held SMs stay within what any device and the tables hold; an all-reduce
+# beside (`tuner.key.Problem.overlap`) moves at most 1 TiB.
 MAX_DIM = 2**31
 MAX_KEY_GROUPS = 4096
 MAX_CARVEOUT = 1024
+MAX_OVERLAP = 2**40
 # Width of the key name column (db.models.GemmKey.name).
 MAX_NAME = 128
 

@@ -153,7 +153,7 @@ async def best(q: Annotated[BestQuery, Query()], store: Reader, cache: Answers) 
     dtype_out = q.dtype_out or q.dtype
     fields = dict(
         arch=q.arch, device=q.device, dtype_in=q.dtype, dtype_out=dtype_out, layout=q.layout,
-        n=q.n, k=q.k, groups=q.groups, group_k="", carveout=q.carveout,
+        n=q.n, k=q.k, groups=q.groups, group_k="", carveout=q.carveout, overlap=q.overlap,
     )
     ranges, winners = cache.get(
         ("family", *fields.values()),
@@ -164,7 +164,8 @@ async def best(q: Annotated[BestQuery, Query()], store: Reader, cache: Answers) 
         where = f"device {q.device!r}" if q.device else f"any {q.arch} device"
         raise HTTPException(404, (
             f"no measured choice covers M={q.m} for {q.arch} {q.dtype}>{dtype_out} {q.layout} N={q.n} "
-            f"K={q.k} groups={q.groups}{f' carveout={q.carveout}' if q.carveout else ''} on {where}"
+            f"K={q.k} groups={q.groups}{f' carveout={q.carveout}' if q.carveout else ''}"
+            f"{f' overlap={q.overlap}' if q.overlap else ''} on {where}"
         ))
     device, d = found
     current = q.current_versions

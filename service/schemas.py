@@ -14,7 +14,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, Json
 
 from tuner.records import (
-    Arch, Backend, Carveout, Device, DtypeIn, DtypeOut, Groups, Key, Layout, Record, Size, Versions,
+    Arch, Backend, Carveout, Device, DtypeIn, DtypeOut, Groups, Key, Layout, Overlap, Record, Size, Versions,
 )
 
 MAX_PAGE = 1000
@@ -40,6 +40,7 @@ class BestQuery(BaseModel):
     arch: Arch = "sm90"
     device: Optional[Device] = None
     carveout: Carveout = 0
+    overlap: Overlap = Field(0, description="Bytes of an all-reduce running beside the GEMM (0: none).")
     current_versions: Optional[Json[Versions]] = Field(
         None, description='JSON object of the versions the caller runs, e.g. {"torch": "2.13.0", ...}.',
     )

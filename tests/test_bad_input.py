@@ -50,6 +50,8 @@ def tuned(tmp_path_factory):
     (b"16 1024 1099511627776\n", "over the largest size"),
     (b"16 1024 1024 held=132\n", "has 132 sms"),
     (b"16 1024 1024 held=5000\n", "held sms must be"),
+    (b"16 1024 1024\n16 1024 1024 overlap=allreduce:32768\n", "tuning beside an all-reduce is not built"),
+    (b"16 1024 1024 overlap=allreduce:2199023255552\n", "bytes must be 1 to"),
     (b"1024 1024 1024 groups=99999999\n", "groups=99999999"),
     (b"16 1024 1024 groups=2 groups=3\n", "given twice"),
     (b"16 1024 1024 name=" + b"x" * 129 + b"\n", "at most 128"),
@@ -157,6 +159,18 @@ def _export(db: Path) -> dict:
     return json.loads(proc.stdout)
 
 
+def test_an_overlap_keys_winner_imports_and_shows_as_its_own(tuned, tmp_path):
+    exported = _export(tuned)
+    record = json.loads(json.dumps(exported["records"][0]))
+    record["key"]["overlap"] = 1 << 20
+    path = tmp_path / "o.json"
+    path.write_text(json.dumps({**exported, "records": [exported["records"][0], record]}))
+    db = tmp_path / "o.db"
+    assert "imported 2 of 2" in tuner("import", str(path), db=db).stdout
+    keys = {json.dumps(r["key"], sort_keys=True) for r in _export(db)["records"]}
+    assert len(keys) == 2 and {json.loads(k).get("overlap", 0) for k in keys} == {0, 1 << 20}
+
+
 def test_export_is_versioned_and_imports_into_a_fresh_database(tuned, tmp_path):
     exported = _export(tuned)
     assert exported["format"] == "gemm-tuner-winners" and exported["version"] == 1 and exported["records"]
@@ -176,6 +190,8 @@ def test_export_is_versioned_and_imports_into_a_fresh_database(tuned, tmp_path):
     (lambda r: r["key"].update(m=-5), "key.m"),
     (lambda r: r["key"].update(arch="sm70"), "key.arch"),
     (lambda r: r["key"].update(dtype_in="int4"), "key.dtype_in"),
+    (lambda r: r["key"].update(overlap=-1), "key.overlap"),
+    (lambda r: r["key"].update(overlap=4096, carveout=8), "key"),
     (lambda r: r.update(config={**(r["config"] or {"arch": "sm90"}), "tile_m": 99999}), "config"),
     (lambda r: r.pop("key"), "key"),
 ])

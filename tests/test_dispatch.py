@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -215,6 +216,24 @@ def test_tuned_kernel_runs_and_matches(tuned, layout):
 
 
 @pytest.mark.gpu
+def test_an_overlap_hint_runs_the_overlap_keys_winner(tuned, db):
+    device = torch.cuda.get_device_name()
+    beside = replace(tuned, tile_n=64, sm_budget=100)
+    store = Store(str(db))
+    _store_winner(store, Key(tuned.arch, device, Problem(256, N, K, overlap=1 << 20)), beside, versions(device))
+    store.close()
+    dispatch.configure(str(db))
+    a, w = _operands(256, N, K, device="cuda")
+    assert explain(a, w.t()).config_name == tuned.name()
+    with dispatch.overlap(1 << 20):
+        assert explain(a, w.t()).config_name == beside.name()
+        got = gemm(a, w.t())
+    with dispatch.overlap(2 << 20):
+        assert explain(a, w.t()).path == "torch"  # nothing tuned beside this all-reduce
+    assert _rel_err(got, a.float() @ w.float().t()) < 2e-2
+
+
+@pytest.mark.gpu
 def test_tuned_kernel_under_compile_and_graph_capture(tuned):
     a, w = _operands(256, N, K, device="cuda")
     want = a.float() @ w.float().t()
@@ -291,4 +310,14 @@ def test_call_signature_separates_everything_the_rules_read():
         _signature(x[:, :64], w[:, :64].t(), None, None),       # shape
         _signature(torch.empty(128, 64, dtype=torch.bfloat16).t(), w.t(), None, None),  # a strides
     ]
+    with dispatch.overlap(1 << 20):
+        others.append(_signature(x, w.t(), None, None))         # the overlap in effect
     assert base not in others and len(set(others)) == len(others)
+    assert _signature(x, w.t(), None, None) == base  # the block's end restores it
+
+
+@pytest.mark.parametrize("nbytes", [-1, 2**41, 1.5, True, "1MB"])
+def test_an_overlap_hint_takes_a_byte_count(nbytes):
+    with pytest.raises(ValueError, match="overlap takes the all-reduce's bytes"):
+        with dispatch.overlap(nbytes):
+            pass

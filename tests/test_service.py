@@ -148,6 +148,38 @@ def test_best_serves_the_family_map_by_the_rule_gemm_uses(tmp_path, monkeypatch)
         server.stop()
 
 
+def test_an_overlap_key_is_served_from_its_own_map(tmp_path, monkeypatch):
+    from kernels.space import GemmConfig
+    from tuner.key import Key, Problem
+    from tuner.runtime import dispatch
+    from tuner.runtime.lookup import family_of
+
+    db = tmp_path / "overlap.db"
+    store = Store(str(db))
+    versions = {"torch": "x"}
+    env = store.environment("gpu", "sm90", "dev", versions)
+    names = {0: "sm90-single_tile-t64x16-c1x1-s8-w1m-ab", 1 << 20: "sm90-static_persistent-t128x128-c1x1-s4-w4m-sm116"}
+    for nbytes, name in names.items():
+        cfg = GemmConfig.from_name(name).to_dict()
+        family = family_of(Key("sm90", "dev", Problem(16, 5376, 2688, overlap=nbytes)))
+        store.set_ranges(family, env, [dict(m_lo=1, m_hi=64, config=cfg, config_name=name, scheduler=cfg["scheduler"],
+                                            evidence=[{"m": 16, "ms": {"cublas": 0.02, name: 0.018}}])])
+    store.close()
+    server = _Server(db, None)
+    monkeypatch.setattr(dispatch, "_versions", lambda device: versions)
+    dispatch.configure(str(db))
+    try:
+        for nbytes, name in names.items():
+            r = httpx.get(server.url + "/v1/best", params={"m": 16, "n": 5376, "k": 2688, "overlap": nbytes})
+            assert r.status_code == 200 and r.json()["config_name"] == name
+            assert dispatch.explain_key(Key("sm90", "dev", Problem(16, 5376, 2688, overlap=nbytes))).config_name == name
+        r = httpx.get(server.url + "/v1/best", params={"m": 16, "n": 5376, "k": 2688, "overlap": 4096})
+        assert r.status_code == 404 and "overlap=4096" in r.json()["detail"]
+    finally:
+        dispatch.configure(None)
+        server.stop()
+
+
 def test_staleness_against_the_callers_versions(client):
     fresh = _best(client, m=128).json()
     assert not fresh["stale"]
@@ -173,6 +205,8 @@ def test_unknown_key_is_404_with_a_message(client):
     ("/v1/best", {"m": 128, "arch": "sm70"}, "arch"),
     ("/v1/best", {"m": 128, "layout": "tt"}, "layout"),
     ("/v1/best", {"m": 128, "groups": 0}, "groups"),
+    ("/v1/best", {"m": 128, "overlap": -1}, "overlap"),
+    ("/v1/best", {"m": 128, "overlap": 2**41}, "overlap"),
     ("/v1/best", {"m": 128, "current_versions": "torch 2.13"}, "current_versions"),
     ("/v1/results", {"limit": 100_000}, "limit"),
     ("/v1/results", {"limit": 0}, "limit"),

@@ -39,10 +39,12 @@ def test_line_forms(tmp_path):
         "1024 1024 1024,32768 name=mixed\n"
         "2560 2560 4096 held=20\n"
         "64 4096 1024\n"  # a duplicate of the first line's second key
+        "64 4096 1024 overlap=allreduce:11010048\n"
     )
     entries = parse_shapes(f)
-    assert [e.line for e in entries] == [3, 3, 4, 5, 6]
-    dense, _, moe, mixed, held = (e.problem for e in entries)
+    assert [e.line for e in entries] == [3, 3, 4, 5, 6, 8]
+    dense, _, moe, mixed, held, beside = (e.problem for e in entries)
+    assert beside.overlap == 11010048 and beside.label() == "64x4096x1024 allreduce:11010048"
     assert (dense.m, dense.n, dense.k, entries[0].name) == (1, 4096, 1024, "dense")
     assert (moe.groups, moe.dtype_in, moe.dtype_out, moe.layout) == (8, "fp16", "fp32", "nn")
     assert (mixed.groups, mixed.group_k, mixed.k) == (2, (1024, 32768), 32768)
@@ -59,6 +61,11 @@ def test_line_forms(tmp_path):
     ("16,x 4096 4096", "m must be an integer"),
     ("16 4096 4096 groups=0", "groups must be positive"),
     ("16 4100 4096 layout=nn", "n=4100 must be a multiple of 8"),
+    ("16 4096 4096 overlap=allgather:1024", "overlap takes allreduce:bytes"),
+    ("16 4096 4096 overlap=allreduce", "overlap takes allreduce:bytes"),
+    ("16 4096 4096 overlap=allreduce:lots", "overlap's bytes must be an integer"),
+    ("16 4096 4096 overlap=allreduce:0", "overlap's bytes must be 1 to"),
+    ("16 4096 4096 overlap=allreduce:4096 held=8", "held and overlap both"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, line, words):
     f = tmp_path / "bad.txt"

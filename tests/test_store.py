@@ -4,6 +4,7 @@ import pytest
 
 from db.engine import resolve_url
 from db.store import Store
+from kernels.space import GemmConfig
 from tuner.key import Key, Problem
 from tuner.runtime.lookup import EXACT, NEAREST, lookup
 
@@ -82,3 +83,47 @@ def test_export_import_keeps_faster(tmp_path):
     assert dst.import_records(records) == 1
     assert dst.winner(_key(16).to_dict()).ms == 0.5
     assert dst.winner(_key(32).to_dict()).ms == 2.0
+
+
+def test_overlap_keys_are_their_own_keys_and_families(tmp_path):
+    from tuner.key import Key, Problem
+    from tuner.runtime.lookup import family_of, lookup
+
+    store = Store(str(tmp_path / "o.db"))
+    plain = Key("sm90", "dev", Problem(16, 5376, 2688))
+    beside = Key("sm90", "dev", Problem(16, 5376, 2688, overlap=1 << 20))
+    assert store.key_id(plain.to_dict()) != store.key_id(beside.to_dict())
+    assert Key.from_dict(beside.to_dict()) == beside
+    env = store.environment("gpu", "sm90", "dev", {"torch": "x"})
+    for key, name in ((plain, "sm90-single_tile-t64x16-c1x1-s8-w1m-ab"),
+                      (beside, "sm90-static_persistent-t128x128-c1x1-s4-w4m-sm116")):
+        cfg = GemmConfig.from_name(name).to_dict()
+        evidence = [{"m": 16, "ms": {"cublas": 0.02, name: 0.018}}]
+        store.set_ranges(family_of(key), env, [dict(m_lo=1, m_hi=64, config=cfg, config_name=name,
+                                                    scheduler=cfg["scheduler"], evidence=evidence)])
+    # Each family's map answers its own key, and only its own.
+    assert lookup(store, plain).config_name.endswith("-ab")
+    assert lookup(store, beside).config_name.endswith("-sm116")
+    assert lookup(store, Key("sm90", "dev", Problem(16, 5376, 2688, overlap=2 << 20))) is None
+    store.close()
+
+
+def test_a_database_from_before_overlap_keys_keeps_its_keys(tmp_path):
+    import sqlite3
+
+    from alembic import command
+
+    from db.migrate import alembic_config
+    from tuner.key import Key, Problem
+
+    path = tmp_path / "old.db"
+    command.upgrade(alembic_config(f"sqlite:///{path}"), "0005")
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "INSERT INTO tuner_keys (arch, device, dtype_in, dtype_out, layout, n, k, groups, group_k, carveout, m, name)"
+            " VALUES ('sm90', 'dev', 'bf16', 'bf16', 'tn', 5376, 2688, 1, '', 0, 16, 'old')")
+    store = Store(str(path))  # migrates to head
+    key = Key("sm90", "dev", Problem(16, 5376, 2688))
+    assert store.key_id(key.to_dict()) == 1  # the old row, now with overlap 0
+    assert store.key_id(Key("sm90", "dev", Problem(16, 5376, 2688, overlap=4096)).to_dict()) == 2
+    store.close()

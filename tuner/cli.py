@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernels.space import ARCHS
-from tuner.key import Key
+from tuner.key import Key, overlap_text
 from tuner.search.progress import count
 
 # Plain help (click's): rich's boxed option table leaves its help column
@@ -138,6 +138,10 @@ def tune(
         entries = [e for e in entries if fnmatch.fnmatchcase(e.name, only)]
         if not entries:
             _fail(f"no key of {shapes} has a name matching {only!r}")
+    for e in entries:
+        if e.problem.overlap:
+            _fail(f"{resolve(shapes)}:{e.line}: overlap={overlap_text(e.problem.overlap)}: tuning beside an "
+                  "all-reduce is not built yet; store such a key's winners with `tuner import`")
     if devices is not None:
         if model is not None:
             _fail("--devices tunes a shape file: write the model's with `tuner shapes --from-model` first")

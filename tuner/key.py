@@ -4,7 +4,29 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from kernels.space import MAX_CARVEOUT, InvalidConfig, check_operands, check_problem
+from kernels.space import MAX_CARVEOUT, MAX_OVERLAP, InvalidConfig, check_operands, check_problem
+
+# The collective an overlap key names (`overlap=allreduce:BYTES`).
+OVERLAP_KIND = "allreduce"
+
+
+def parse_overlap(text: str) -> int:
+    """The bytes of `allreduce:BYTES`, the shape file's and the CLI's form of `Problem.overlap`."""
+    kind, sep, count = text.partition(":")
+    if kind != OVERLAP_KIND or not sep:
+        raise ValueError(f"overlap takes {OVERLAP_KIND}:BYTES (the all-reduce beside the GEMM), got {text!r}")
+    try:
+        value = int(count)
+    except ValueError:
+        raise ValueError(f"overlap's bytes must be an integer, got {count!r}") from None
+    if not 1 <= value <= MAX_OVERLAP:
+        raise ValueError(f"overlap's bytes must be 1 to {MAX_OVERLAP}, got {value}")
+    return value
+
+
+def overlap_text(nbytes: int) -> str:
+    """`Problem.overlap` written as a shape file writes it."""
+    return f"{OVERLAP_KIND}:{nbytes}"
 
 
 @dataclass(frozen=True)
@@ -15,7 +37,9 @@ class Problem:
     (A of total M rows split into `groups`, every group sharing N and K); with
     `group_k` set it is seed 000's form, G problems of M x N with their own K
     (`k` is then the largest). `carveout` is the number of SMs another kernel
-    holds while this GEMM runs (seed 003's scenario).
+    holds while this GEMM runs (seed 003's scenario); `overlap` the bytes of
+    an all-reduce that runs beside it (tensor parallelism: the GEMM is timed
+    on the makespan of both), 0 for none.
     """
 
     m: int
@@ -27,6 +51,7 @@ class Problem:
     layout: str = "tn"
     group_k: tuple[int, ...] = ()
     carveout: int = 0
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         check_operands(self.m, self.n, self.k, self.groups, self.dtype_in, self.dtype_out, self.layout)
@@ -39,6 +64,10 @@ class Problem:
                 raise ValueError("k must be the largest per-group K")
         if not 0 <= self.carveout <= MAX_CARVEOUT:
             raise InvalidConfig(f"held SMs must be 0 to {MAX_CARVEOUT}, got {self.carveout}")
+        if not 0 <= self.overlap <= MAX_OVERLAP:
+            raise InvalidConfig(f"overlap bytes must be 0 to {MAX_OVERLAP}, got {self.overlap}")
+        if self.overlap and self.carveout:
+            raise InvalidConfig("held SMs and an overlap both say what runs beside the GEMM: give one")
 
     def runs(self, cfg) -> bool:
         """Whether the pool config `cfg` can run this problem (the space's rules)."""
@@ -61,6 +90,8 @@ class Problem:
             text += f" g{self.groups}"
         if self.carveout:
             text += f" held{self.carveout}"
+        if self.overlap:
+            text += f" {overlap_text(self.overlap)}"
         return text
 
 
@@ -79,7 +110,8 @@ class Key:
             f"{self.arch}:{self.device}:{p.dtype_in}>{p.dtype_out}:{p.layout}:"
             f"{p.m}x{p.n}x{k}:g{p.groups}"
         )
-        return name + (f":held{p.carveout}" if p.carveout else "")
+        name += f":held{p.carveout}" if p.carveout else ""
+        return name + (f":{overlap_text(p.overlap)}" if p.overlap else "")
 
     def with_m(self, m: int) -> "Key":
         return replace(self, problem=replace(self.problem, m=m))
@@ -91,6 +123,7 @@ class Key:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Key":
-        """The inverse of `to_dict` (a stored key's fields)."""
+        """The inverse of `to_dict` (a stored key's fields; records written
+        before overlap keys existed have no `overlap`: none)."""
         fields = {f: d[f] for f in ("m", "n", "k", "groups", "dtype_in", "dtype_out", "layout", "carveout")}
-        return cls(d["arch"], d["device"], Problem(**fields, group_k=tuple(d["group_k"])))
+        return cls(d["arch"], d["device"], Problem(**fields, group_k=tuple(d["group_k"]), overlap=d.get("overlap", 0)))

@@ -12,7 +12,8 @@ from typing import Annotated, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kernels.space import (
-    ARCHS, DTYPES_IN, DTYPES_OUT, LAYOUTS, MAX_CARVEOUT, MAX_DIM, MAX_KEY_GROUPS, MAX_NAME, GemmConfig, InvalidConfig,
+    ARCHS, DTYPES_IN, DTYPES_OUT, LAYOUTS, MAX_CARVEOUT, MAX_DIM, MAX_KEY_GROUPS, MAX_NAME, MAX_OVERLAP, GemmConfig,
+    InvalidConfig,
 )
 
 MAX_SIZE = MAX_DIM
@@ -27,6 +28,7 @@ Layout = Literal[LAYOUTS]
 Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
 Groups = Annotated[int, Field(ge=1, le=MAX_GROUPS)]
 Carveout = Annotated[int, Field(ge=0, le=MAX_CARVEOUT)]
+Overlap = Annotated[int, Field(ge=0, le=MAX_OVERLAP)]
 # 1 ns to about 3 hours: a speedup (a ratio of two) stays a finite number.
 Millis = Annotated[float, Field(ge=1e-6, le=1e7)]
 # Column widths of the tables (db.models): longer text could not be stored.
@@ -51,6 +53,7 @@ class Key(BaseModel):
     groups: int = 1
     group_k: list[int] = Field(default_factory=list)
     carveout: int = 0
+    overlap: int = 0
 
 
 class KeyIn(Key):
@@ -69,9 +72,12 @@ class KeyIn(Key):
     groups: Groups = 1
     group_k: list[Size] = Field(default_factory=list, max_length=MAX_GROUPS)
     carveout: Carveout = 0
+    overlap: Overlap = 0
 
     @model_validator(mode="after")
     def _group_k_fits(self) -> "KeyIn":
+        if self.carveout and self.overlap:
+            raise ValueError("carveout and overlap both say what runs beside the GEMM: give one")
         if self.group_k and len(self.group_k) != self.groups:
             raise ValueError(f"group_k holds {len(self.group_k)} values for {self.groups} groups")
         if len(",".join(map(str, self.group_k))) > GROUP_K_CHARS:

@@ -2,7 +2,8 @@
 
 A line is
 
-    M[,M...]  N  K[,K...]  [groups=G] [dtype=bf16] [dtype_out=bf16] [layout=tn] [held=S] [name=TEXT]
+    M[,M...]  N  K[,K...]  [groups=G] [dtype=bf16] [dtype_out=bf16] [layout=tn] [held=S]
+                           [overlap=allreduce:BYTES] [name=TEXT]
 
 - Several comma-separated M values expand to one key each (the batch sizes
   a deployment sees for one weight).
@@ -13,6 +14,9 @@ A line is
   (default: the input's), `layout` "tn" (y = x @ W.T, W stored (N, K) as
   nn.Linear keeps it) or "nn" (y = a @ b, b stored (K, N)).
 - `held=S`: S SMs are held by another kernel while the GEMM runs (seed 003).
+- `overlap=allreduce:BYTES`: an all-reduce of BYTES runs beside the GEMM
+  (tensor parallelism); `gemm` and `patch` look such keys up under an
+  overlap hint (`tuner.runtime.dispatch.overlap`).
 - `#` starts a comment; blank lines are ignored.
 
 A bad line raises ShapeFileError reading `FILE:LINE: what is wrong`; the
@@ -27,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.space import DTYPES_IN, DTYPES_OUT, LAYOUTS, MAX_NAME
-from tuner.key import Problem
+from tuner.key import Problem, parse_overlap
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-_OPTIONS = ("groups", "dtype", "dtype_out", "layout", "held", "name")
+_OPTIONS = ("groups", "dtype", "dtype_out", "layout", "held", "overlap", "name")
 
 
 class ShapeFileError(ValueError):
@@ -127,6 +131,9 @@ def _parse_line(text: str, number: int) -> list[ShapeEntry]:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     held = _ints("held", options["held"], many=False)[0] if "held" in options else 0
+    overlap = parse_overlap(options["overlap"]) if "overlap" in options else 0
+    if held and overlap:
+        raise ValueError("held and overlap both say what runs beside the GEMM: give one")
     group_k: tuple[int, ...] = ()
     if len(ks) > 1:
         if "groups" in options and groups != len(ks):
@@ -134,7 +141,7 @@ def _parse_line(text: str, number: int) -> list[ShapeEntry]:
         groups, group_k = len(ks), tuple(ks)
     return [
         ShapeEntry(
-            Problem(m, n, max(ks), groups, dtype, dtype_out, layout, group_k, held),
+            Problem(m, n, max(ks), groups, dtype, dtype_out, layout, group_k, held, overlap),
             options.get("name", ""), number,
         )
         for m in ms

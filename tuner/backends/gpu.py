@@ -399,6 +399,8 @@ class GpuBackend:
             return f"key is for {key.device!r}; this GPU is {self.device_name!r}"
         if p.carveout >= self.sm_count:
             return f"cannot hold {p.carveout} of {self.sm_count} SMs"
+        if p.overlap:
+            return "timing beside an all-reduce (an overlap key) takes one process per GPU; not built yet"
         if cfg is None:
             return None
         if cfg == CUBLAS_LOOP:

@@ -497,6 +497,8 @@ class ModelBackend:
 def _resolve(key_or_problem, device, cfg) -> tuple[Problem, DeviceModel]:
     is_key = isinstance(key_or_problem, Key)
     problem = key_or_problem.problem if is_key else key_or_problem
+    if problem.overlap:
+        raise InvalidConfig("the model does not price an all-reduce beside the GEMM: overlap keys are measured")
     if device is None:
         if cfg is None and not is_key:
             raise ValueError("a bare Problem names no arch: pass a device model")

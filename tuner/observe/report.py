@@ -19,6 +19,7 @@ import numpy as np
 
 from tuner.backends.calibration import predictions, samples, spearman
 from tuner.backends.model import device_model
+from tuner.key import Key
 from tuner.observe.plots import plot_family
 
 # Rows of one bar chart before the keys are split over several pictures.
@@ -219,13 +220,7 @@ def _table(headers, rows) -> str:
 
 
 def _label(name: str, key: dict) -> str:
-    k = ",".join(map(str, key["group_k"])) if key["group_k"] else str(key["k"])
-    text = f"{name or '-'} {key['m']}x{key['n']}x{k}"
-    if key["groups"] > 1:
-        text += f" g{key['groups']}"
-    if key["carveout"]:
-        text += f" held{key['carveout']}"
-    return text
+    return f"{name or '-'} {Key.from_dict(key).problem.label()}"
 
 
 def _chunks(items: list, size: int) -> list[list]:

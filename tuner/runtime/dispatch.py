@@ -33,16 +33,22 @@ CUDA graph capture runs cuBLAS for that call (the database is not read while
 capturing): call once before capturing, as capture needs a warm-up anyway.
 
 Forward only: the op has no autograd formula.
+
+Under `with overlap(nbytes):` calls look up the keys of GEMMs that run beside
+an all-reduce of `nbytes` (`overlap=allreduce:BYTES` in a shape file), tuned
+for the time both take, instead of the plain keys.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import threading
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -110,6 +116,23 @@ class _State:
 
 
 _state = _State()
+# Bytes of the all-reduce the calls run beside (`overlap`); 0: none.
+_OVERLAP: contextvars.ContextVar[int] = contextvars.ContextVar("gemm_tuner_overlap", default=0)
+
+
+@contextlib.contextmanager
+def overlap(nbytes: int) -> Iterator[None]:
+    """Within the block, `gemm` looks up the keys of GEMMs that run beside an
+    all-reduce of `nbytes` bytes (0: the plain keys)."""
+    from kernels.space import MAX_OVERLAP
+
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_OVERLAP:
+        raise ValueError(f"overlap takes the all-reduce's bytes, 0 to {MAX_OVERLAP}, not {nbytes!r}")
+    token = _OVERLAP.set(nbytes)
+    try:
+        yield
+    finally:
+        _OVERLAP.reset(token)
 
 
 def configure(db: str | None = None, *, online: bool | None = None) -> None:
@@ -155,10 +178,12 @@ def explain_key(key) -> Explanation:
     return _choose(key)[0]
 
 
-def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int, groups: int = 1) -> tuple[tuple, str | None]:
+def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int, groups: int = 1,
+                 overlap: int = 0) -> tuple[tuple, str | None]:
     """Where `gemm(x, W.t())` may run a kernel for a contiguous (n, k) weight
     W of `dtype` on that CUDA device (with `groups`, `gemm(x, W.mT, offs=)`
-    for `groups` such weights, M the rows over all of them): the M intervals (`tuner.lookup.Span`,
+    for `groups` such weights, M the rows over all of them; with `overlap`,
+    beside an all-reduce of that many bytes): the M intervals (`tuner.lookup.Span`,
     with the least device time the kernel saved there; outside them it runs
     cuBLAS, so a caller may call torch there directly), and why there are
     none to be had (None when the family is tuned). Stale choices are left
@@ -177,10 +202,10 @@ def kernel_spans(device_index: int, dtype: torch.dtype, n: int, k: int, groups: 
     if arch is None:
         return (), f"compute capability {major}.{minor}: no kernel pool for it"
     try:
-        problem = Problem(1, n, k, groups, din, din, "tn")
+        problem = Problem(1, n, k, groups, din, din, "tn", overlap=overlap)
     except InvalidConfig as exc:
         return (), f"shape outside the pool's operand rules: {exc}"
-    if _online():
+    if _online() and not overlap:
         return (Span(1, MAX_DIM, math.inf),), None
     store = _store()
     if store is None:
@@ -256,11 +281,13 @@ def _run(a, b, out, offs):
 
 
 def _signature(a, b, out, offs) -> tuple:
-    """What decides a call's path, pointers aside: shapes, strides, dtypes, device."""
+    """What decides a call's path, pointers aside: shapes, strides, dtypes,
+    device and the overlap in effect."""
     return (
         a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device,
         None if out is None else (out.shape, out.stride(), out.dtype),
         None if offs is None else (offs.shape, offs.stride(), offs.dtype),
+        _OVERLAP.get(),
     )
 
 
@@ -292,7 +319,7 @@ def _decision(a, b, out, offs, layout, build: bool = True) -> _Decision:
     if reason is not None:
         return _Decision(Explanation(TORCH, reason))
     groups = 1 if offs is None else b.shape[0]
-    key_fields = (a.device.index, din, dout, layout, a.shape[0], b.shape[-1], a.shape[1], groups)
+    key_fields = (a.device.index, din, dout, layout, a.shape[0], b.shape[-1], a.shape[1], groups, _OVERLAP.get())
     # A one-group grouped call shares the dense key but takes the grouped runner.
     cache_key = (*key_fields, offs is not None)
     decision = _state.decisions.get(cache_key)
@@ -304,7 +331,9 @@ def _decision(a, b, out, offs, layout, build: bool = True) -> _Decision:
     with _state.lock:
         decision = _state.decisions.get(cache_key)
         if decision is None:
-            measure = _live_measure(a, b, offs, layout, din, dout) if build and _online() else None
+            # Online tuning times a call alone: never an overlap key's choice.
+            live = build and _online() and not key_fields[-1]
+            measure = _live_measure(a, b, offs, layout, din, dout) if live else None
             decision = _Decision(*_choose_on_device(*key_fields, measure=measure))
         if build and decision.config is not None and decision.runner is None:
             decision = _build(decision, a.device.index, din, dout, layout, grouped=offs is not None)
@@ -346,7 +375,7 @@ def _tensor_reason(a, b, out, offs, layout, din, dout) -> str | None:
     return None
 
 
-def _choose_on_device(device_index, din, dout, layout, m, n, k, groups,
+def _choose_on_device(device_index, din, dout, layout, m, n, k, groups, overlap,
                       measure=None) -> tuple[Explanation, object]:
     from tuner.key import Key, Problem
 
@@ -355,7 +384,7 @@ def _choose_on_device(device_index, din, dout, layout, m, n, k, groups,
     if arch is None:
         return Explanation(TORCH, f"compute capability {major}.{minor}: no kernel pool for it"), None
     try:
-        problem = Problem(m, n, k, groups, din, dout, layout)
+        problem = Problem(m, n, k, groups, din, dout, layout, overlap=overlap)
     except InvalidConfig as exc:
         return Explanation(TORCH, f"shape outside the pool's operand rules: {exc}"), None
     return _choose(Key(arch, torch.cuda.get_device_name(device_index), problem), measure)

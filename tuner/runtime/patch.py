@@ -143,6 +143,8 @@ class TunedLinear(nn.Linear):
     tuner_graphs: bool = False
     # Kept runners are the pdl builds of the winners (`patch(pdl=True)`).
     tuner_pdl: bool = False
+    # Bytes of the all-reduce the layer runs beside (`patch(overlap=)`).
+    tuner_overlap: int = 0
     # The least and largest M of both kinds of interval, times in_features
     # (bounds on the input's numel): most calls fall outside, and in a forward
     # that waits on the host every call's Python counts
@@ -273,9 +275,10 @@ class TunedLinear(nn.Linear):
             run(x, w, y)
         else:
             wt = w.t()
-            y = dispatch.gemm(x, wt)
-            launch = None if _compiling() else (
-                dispatch.weight_launcher(x, wt) if self.tuner_pdl else dispatch.launcher(x, wt))
+            with dispatch.overlap(self.tuner_overlap):
+                y = dispatch.gemm(x, wt)
+                launch = None if _compiling() else (
+                    dispatch.weight_launcher(x, wt) if self.tuner_pdl else dispatch.launcher(x, wt))
             if launch is not None and launch.tn:  # the runner takes the weight as stored
                 self.tuner_launchers[m] = launch.runner
         if b is not None:
@@ -284,7 +287,7 @@ class TunedLinear(nn.Linear):
 
 
 def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compiled: bool = True,
-          pdl: bool = False) -> nn.Module:
+          pdl: bool = False, overlap: int = 0) -> nn.Module:
     """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
     dispatch (module doc); returns `model`. `bias`: layers with a bias too
     (added after the product). `graphs`: the model's forwards are replayed
@@ -305,7 +308,9 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     qualifies, and names the shapes nothing is tuned for. A mixture of
     experts block computed by transformers' grouped products runs them
     through `gemm`'s grouped dispatch where its families are tuned
-    (`tuner.runtime.experts`)."""
+    (`tuner.runtime.experts`). `overlap=BYTES`: the layers run beside an
+    all-reduce of that many bytes (tensor parallelism) and take the maps
+    tuned for it (`overlap=allreduce:BYTES` keys) instead of the plain ones."""
     experts.patch_experts(model)
     layers, biased = [], False
     for m in model.modules():
@@ -329,13 +334,14 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
         w = layer.weight
         key = (w.device.index, w.dtype, layer.out_features, layer.in_features)
         if key not in found:
-            found[key] = dispatch.kernel_spans(*key)
+            found[key] = dispatch.kernel_spans(*key, overlap=overlap)
         spans_of[layer] = found[key][0]
         if spans_of[layer]:
             layer.__class__ = TunedLinear
             layer.tuner_launchers = {}
             layer.tuner_graphs = graphs
             layer.tuner_pdl = pdl
+            layer.tuner_overlap = overlap
             layer.tuner_spans = layer.tuner_compiled_spans = ()
         else:
             _restore(layer)
@@ -792,9 +798,9 @@ def host_us_per_call(paths: dict[str, Callable[[], object]], device: torch.devic
 
 @contextlib.contextmanager
 def patched(model: nn.Module, *, bias: bool = False, graphs: bool = False,
-            compiled: bool = True, pdl: bool = False) -> Iterator[nn.Module]:
+            compiled: bool = True, pdl: bool = False, overlap: int = 0) -> Iterator[nn.Module]:
     """`patch(model, ...)` with these options for the block, `unpatch(model)` after it."""
-    patch(model, bias=bias, graphs=graphs, compiled=compiled, pdl=pdl)
+    patch(model, bias=bias, graphs=graphs, compiled=compiled, pdl=pdl, overlap=overlap)
     try:
         yield model
     finally:
