@@ -18,7 +18,7 @@ from typing import Iterator
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 _MIGRATIONS = Path(__file__).with_name("migrations")
 # Any constant of our own: the advisory lock that serialises schema set-up on PostgreSQL.
@@ -56,6 +56,24 @@ def init_lock(engine: Engine) -> Iterator[None]:
 
 def upgrade(engine: Engine) -> None:
     cfg = alembic_config(engine.url.render_as_string(hide_password=False))
-    with init_lock(engine), engine.begin() as conn:
+    with init_lock(engine), engine.connect() as conn, foreign_keys_off(conn), conn.begin():
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+
+
+@contextmanager
+def foreign_keys_off(conn: Connection) -> Iterator[None]:
+    """SQLite's foreign key enforcement off for the block, on a connection
+    that has not begun a transaction (inside one the pragma does nothing).
+    A batch migration recreates a table where SQLite cannot alter it in
+    place; dropping the old copy with enforcement on deletes every row that
+    references it (winners, trials)."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    raw = conn.connection.dbapi_connection  # no autobegin, unlike conn.exec_driver_sql
+    raw.execute("PRAGMA foreign_keys=OFF")
+    try:
+        yield
+    finally:
+        raw.execute("PRAGMA foreign_keys=ON")

@@ -25,6 +25,8 @@ from db.models import Environment, GemmKey, Lease, LeaseEvent, MRange, Trial, Wi
 KEY_FIELDS = (
     "arch", "device", "dtype_in", "dtype_out", "layout", "m", "n", "k", "groups", "group_k", "carveout", "overlap",
 )
+# Fields a key written before they existed lacks (their value then).
+_KEY_DEFAULTS = {"overlap": 0}
 # A family is a key without M: the unit an M map covers.
 FAMILY_FIELDS = tuple(f for f in KEY_FIELDS if f != "m")
 
@@ -431,11 +433,14 @@ class Store:
 def _key_filter(key: dict[str, Any], partial: bool = False, fields: tuple[str, ...] = KEY_FIELDS) -> dict[str, Any]:
     out = {}
     for name in fields:
-        if name not in key:
-            if partial:
-                continue
+        if name in key:
+            value = key[name]
+        elif partial:
+            continue
+        elif name in _KEY_DEFAULTS:
+            value = _KEY_DEFAULTS[name]
+        else:
             raise ValueError(f"key is missing field {name!r}")
-        value = key[name]
         if name == "group_k" and not isinstance(value, str):
             value = ",".join(map(str, value))
         out[name] = value

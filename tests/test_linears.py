@@ -237,7 +237,7 @@ def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch
 
     patch_module = importlib.import_module("tuner.runtime.patch")
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, patch_module.TunedLinear))
-    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k, overlap=0: ((Span(1, 64, math.inf),), None))
     plain = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)).to(torch.bfloat16)
     checked = patch(copy.deepcopy(plain))
     checked[0].tuner_spans = ((1, 3),)  # as a check leaves them
@@ -280,7 +280,7 @@ def test_the_e2e_swap_gives_the_patched_copys_intervals_to_the_other(monkeypatch
 
     patch_module = importlib.import_module("tuner.runtime.patch")
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, patch_module.TunedLinear))
-    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k, overlap=0: ((Span(1, 64, math.inf),), None))
     net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)).to(torch.bfloat16)
     models = {"unpatched": net, "patched": patch(copy.deepcopy(net))}
     first = models["patched"]
@@ -316,7 +316,7 @@ def test_the_e2e_eager_roles_run_one_model_as_each_variant_and_trade_them(monkey
     patch_module = importlib.import_module("tuner.runtime.patch")
     TunedLinear = patch_module.TunedLinear
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
-    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((Span(1, 64, math.inf),), None))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k, overlap=0: ((Span(1, 64, math.inf),), None))
 
     class Net(nn.Sequential):
         def forward(self, x):

@@ -46,12 +46,16 @@ def spy(monkeypatch):
     spans = {}
 
     def gemm(a, b, out=None, *, offs=None):
-        calls.append((a.shape[0], b.shape[1]))
+        # The overlap hint in effect joins the call only where there is one
+        # (compiled graphs, which TorchDynamo traces here, carry none).
+        beside = 0 if torch.compiler.is_compiling() else dispatch._OVERLAP.get()
+        calls.append((a.shape[0], b.shape[1], beside) if beside else (a.shape[0], b.shape[1]))
         return torch.mm(a, b)
 
-    def kernel_spans(dev, dtype, n, k):
+    def kernel_spans(dev, dtype, n, k, overlap=0):
         # (lo, hi) spans save more than any host cost; (lo, hi, us) say how much.
-        return tuple(Span(*s) if len(s) == 3 else Span(*s, math.inf) for s in spans.get((n, k), ())), None
+        found = spans.get((n, k, overlap) if overlap else (n, k), ())
+        return tuple(Span(*s) if len(s) == 3 else Span(*s, math.inf) for s in found), None
 
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
     monkeypatch.setattr(dispatch, "kernel_spans", kernel_spans)
@@ -185,6 +189,20 @@ def test_a_plain_call_runs_f_linear_from_its_own_frame_outside_the_intervals(spy
             assert torch.allclose(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
     assert forwards == [16, 40, 40]  # 1 and 100: out of bounds; 16: no interval, known after its first call
     assert calls == [(40, 128), (40, 128)]
+
+
+def test_a_layer_patched_beside_an_all_reduce_takes_that_maps_spans_and_keys(spy):
+    calls, spans = spy
+    net = _net()
+    spans[(128, 64)] = ((100, 200),)            # the plain map: not at M = 4
+    spans[(128, 64, 1 << 20)] = ((2, 8),)       # the map tuned beside the all-reduce
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), patched(net, bias=True, overlap=1 << 20):
+        got = net(x)
+        assert not net[0].tuner_compiled_spans  # compiled graphs cannot carry the hint
+    with torch.no_grad():
+        torch.testing.assert_close(got, net(x), rtol=2e-2, atol=2e-2)
+    assert calls == [(4, 128, 1 << 20)]
 
 
 def test_only_m_inside_the_kernel_spans_goes_to_gemm_and_outputs_match(spy):
@@ -432,7 +450,7 @@ def test_patched_context_unpatches_when_the_block_raises(spy):
 
 def test_untuned_shapes_are_named_in_one_warning(monkeypatch):
     monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
-    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k: ((), "not tuned on this device"))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k, overlap=0: ((), "not tuned on this device"))
     match = r"2 of 2 linear shapes .* not tuned on this device: 128x64 bf16, 32x128 bf16"
     with pytest.warns(PatchWarning, match=match):
         patch(_net(), bias=True)

@@ -7,6 +7,7 @@ own Alembic history, in the same database under `alembic_version`.
 from alembic import context
 
 from db.engine import make_engine
+from db.migrate import foreign_keys_off
 from db.models import Base
 
 VERSION_TABLE = "tuner_alembic_version"
@@ -30,6 +31,6 @@ if connection is not None:
     _run(connection)
 else:
     engine = make_engine(config.get_main_option("sqlalchemy.url"))
-    with engine.connect() as conn:
+    with engine.connect() as conn, foreign_keys_off(conn):
         _run(conn)
     engine.dispose()

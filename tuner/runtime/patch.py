@@ -259,6 +259,13 @@ class TunedLinear(nn.Linear):
         """Whether an input of `m` strided rows is gathered for the kernel path."""
         return m * self.in_features * self.weight.element_size() <= _GATHER_MAX_BYTES and _inside(m, self.tuner_gather)
 
+    def _dispatch(self, x: torch.Tensor, wt: torch.Tensor) -> tuple:
+        """`gemm`'s product and, outside compiled graphs, the launch it decided."""
+        y = dispatch.gemm(x, wt)
+        launch = None if _compiling() else (
+            dispatch.weight_launcher(x, wt) if self.tuner_pdl else dispatch.launcher(x, wt))
+        return y, launch
+
     def _tuned(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self._parameters["weight"], self._parameters["bias"]  # as in forward
         if input.shape[-1] != self.in_features:
@@ -274,11 +281,11 @@ class TunedLinear(nn.Linear):
             y = x.new_empty((m, self.out_features))  # (fewer arguments to parse than torch.empty's)
             run(x, w, y)
         else:
-            wt = w.t()
-            with dispatch.overlap(self.tuner_overlap):
-                y = dispatch.gemm(x, wt)
-                launch = None if _compiling() else (
-                    dispatch.weight_launcher(x, wt) if self.tuner_pdl else dispatch.launcher(x, wt))
+            if self.tuner_overlap:  # eager only: `patch` keeps no compiled interval for it
+                with dispatch.overlap(self.tuner_overlap):
+                    y, launch = self._dispatch(x, w.t())
+            else:
+                y, launch = self._dispatch(x, w.t())
             if launch is not None and launch.tn:  # the runner takes the weight as stored
                 self.tuner_launchers[m] = launch.runner
         if b is not None:
@@ -310,7 +317,8 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     through `gemm`'s grouped dispatch where its families are tuned
     (`tuner.runtime.experts`). `overlap=BYTES`: the layers run beside an
     all-reduce of that many bytes (tensor parallelism) and take the maps
-    tuned for it (`overlap=allreduce:BYTES` keys) instead of the plain ones."""
+    tuned for it (`overlap=allreduce:BYTES` keys) instead of the plain ones,
+    in eager calls and graph replays (a compiled graph runs `F.linear`)."""
     experts.patch_experts(model)
     layers, biased = [], False
     for m in model.modules():
@@ -351,8 +359,9 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
         compiled_cost *= _COMPILED_IN_FORWARD
         for layer in on_device:
             layer.tuner_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= eager)
+            # A compiled graph calls gemm's op, which no overlap hint reaches.
             layer.tuner_compiled_spans = tuple((lo, hi) for lo, hi, saving in spans_of[layer]
-                                               if compiled and saving >= compiled_cost)
+                                               if compiled and not overlap and saving >= compiled_cost)
             gather = max(eager, compiled_cost if compiled else 0.0) + _gather_cost(device, layer.weight.dtype,
                                                                                    spans_of[layer])
             layer.tuner_gather = tuple((lo, hi) for lo, hi, saving in spans_of[layer] if saving >= gather)
