@@ -11,7 +11,7 @@ OVERLAP_KIND = "allreduce"
 
 
 def parse_overlap(text: str) -> int:
-    """The bytes of `allreduce:BYTES`, the shape file's and the CLI's form of `Problem.overlap`."""
+    """The bytes of `allreduce:BYTES`, the shape file's form of `Problem.overlap`."""
     kind, sep, count = text.partition(":")
     if kind != OVERLAP_KIND or not sep:
         raise ValueError(f"overlap takes {OVERLAP_KIND}:BYTES (the all-reduce beside the GEMM), got {text!r}")
@@ -38,8 +38,8 @@ class Problem:
     `group_k` set it is seed 000's form, G problems of M x N with their own K
     (`k` is then the largest). `carveout` is the number of SMs another kernel
     holds while this GEMM runs (seed 003's scenario); `overlap` the bytes of
-    an all-reduce that runs beside it (tensor parallelism: the GEMM is timed
-    on the makespan of both), 0 for none.
+    an all-reduce that runs beside it (tensor parallelism; its choice is the
+    one both finish soonest with), 0 for none.
     """
 
     m: int
