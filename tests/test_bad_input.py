@@ -169,6 +169,8 @@ def test_an_overlap_keys_winner_imports_and_shows_as_its_own(tuned, tmp_path):
     assert "imported 2 of 2" in tuner("import", str(path), db=db).stdout
     keys = {json.dumps(r["key"], sort_keys=True) for r in _export(db)["records"]}
     assert len(keys) == 2 and {json.loads(k).get("overlap", 0) for k in keys} == {0, 1 << 20}
+    # `show` tells the two families apart.
+    assert tuner("show", db=db).stdout.count("overlap=allreduce:1048576") == 1
 
 
 def test_export_is_versioned_and_imports_into_a_fresh_database(tuned, tmp_path):

@@ -787,7 +787,9 @@ def _family_head(name: str, f: dict) -> str:
     line of its own where one line would pass 80 columns (and wrap mid-name)."""
     k = ",".join(map(str, f["group_k"])) if f.get("group_k") else str(f["k"])
     head = (f"{name}: N={f['n']} K={k}" + (f" G={f['groups']}" if f["groups"] > 1 else "")
-            + f" {f['dtype_in']}>{f['dtype_out']} {f['layout']} {f['arch']}")
+            + f" {f['dtype_in']}>{f['dtype_out']} {f['layout']} {f['arch']}"
+            + (f" held={f['carveout']}" if f.get("carveout") else "")
+            + (f" overlap={overlap_text(f['overlap'])}" if f.get("overlap") else ""))
     return f"{head} {f['device']}" if len(head) + 1 + len(f["device"]) <= 80 else f"{head}\n  {f['device']}"
 
 
