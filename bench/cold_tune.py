@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench import dynamic_m
-from bench.kernels_sm90 import device_slug
+from bench.kernels_sm90 import device_slug, geomean
 from bench.record import save
 from tuner.runtime import dispatch
 from tuner.search.ladder import rungs
@@ -78,16 +76,12 @@ def bench_maps(dbs: list[str], shapes: list[str], only: str, points: int, rounds
                 got.append({"m": m, **timed})
         for record, got in zip(out, per_db, strict=True):
             record["families"].append({"name": name, "n": n, "k": k, "points": got,
-                                       "geomean": _geomean(p["ratio"] for p in got),
+                                       "geomean": geomean([p["ratio"] for p in got]),
                                        "min": min(p["ratio"] for p in got)})
     for record in out:
         every = [p["ratio"] for f in record["families"] for p in f["points"]]
-        record |= {"geomean": _geomean(every), "min": min(every), "count": len(every)}
+        record |= {"geomean": geomean(every), "min": min(every), "count": len(every)}
     return out
-
-
-def _geomean(values) -> float:
-    return math.exp(statistics.fmean(map(math.log, values)))
 
 
 def main() -> None:

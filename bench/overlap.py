@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.kernels_sm90 import ARCH, device_slug
+from bench.kernels_sm90 import ARCH, device_slug, geomean
 from bench.record import save
 from kernels.space import GemmConfig
 from tuner.config_shapes import Attention, DecoderShape
@@ -81,7 +81,7 @@ def candidates(key: Key, picks: int, budgets: list[int], sms: int) -> list[GemmC
 def summarize(points: list[dict]) -> dict:
     """Geomeans and minimums of the points' makespan speedups (overlap winner and free-GPU winner)."""
     def stats(values: list[float]) -> dict:
-        return {"geomean": round(math.exp(sum(map(math.log, values)) / len(values)), 4),
+        return {"geomean": round(geomean(values), 4),
                 "min": round(min(values), 4)}
     return {
         "points": len(points),

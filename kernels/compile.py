@@ -468,6 +468,12 @@ def device_arch(device) -> str:
 _max_clusters: dict[tuple[int, int], int] = {}
 
 
+def _launch_clusters(device_index: int, cfg: GemmConfig, sm_budget: int) -> int:
+    """Clusters a persistent launch of `cfg` on an SM budget of `sm_budget` covers
+    (`GemmConfig.budget_clusters`); the compiled `cfg` itself has none (`Variant`)."""
+    return replace(cfg, sm_budget=sm_budget).budget_clusters(_clusters_per_wave(device_index, cfg.cluster_size))
+
+
 def _clusters_per_wave(device_index: int, cluster_size: int) -> int:
     """Clusters of `cluster_size` CTAs the device runs at once (one CTA per SM).
 
@@ -618,8 +624,7 @@ class _Runner:
         self._split_k = v.cfg.split_k
         self._scratch = v.scratch
         self._device = device_index
-        self._max_clusters = replace(v.cfg, sm_budget=sm_budget).budget_clusters(
-            _clusters_per_wave(device_index, v.cfg.cluster_size))
+        self._max_clusters = _launch_clusters(device_index, v.cfg, sm_budget)
         self.variant = v
 
     def __call__(self, a, b, out, *records) -> None:
@@ -654,8 +659,7 @@ class _GroupedRunner:
 
         self._fn = fn
         self._device = device_index
-        self._max_clusters = replace(v.cfg, sm_budget=sm_budget).budget_clusters(
-            _clusters_per_wave(device_index, v.cfg.cluster_size))
+        self._max_clusters = _launch_clusters(device_index, v.cfg, sm_budget)
         self._max_groups = MAX_GROUPS
         self.variant = v
 

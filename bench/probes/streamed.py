@@ -28,7 +28,8 @@ import torch
 
 from bench.dynamic_m import capture, families, flush_buffer, m_list, replay_rounds
 from kernels.compile import compile_many, get_kernel
-from kernels.space import GemmConfig, InvalidConfig, check_problem, is_valid
+from bench.kernels_sm90 import max_stages
+from kernels.space import GemmConfig, InvalidConfig, check_problem
 from tuner.backends.gpu_worker import rel_error
 from tuner.backends.measure import trimmed_mean
 
@@ -44,12 +45,11 @@ def streamed(m: int) -> list[GemmConfig]:
     shapes += [(tile_m, 128, "b_first", 2) for tile_m in (64, 128)]
     out = []
     for tile_m, tile_k, hint, cluster_m in shapes:
-        for stages in range(8, 1, -1):
-            fields = dict(scheduler="stream_k", tile_m=tile_m, tile_n=rows, tile_k=tile_k, l2_hint=hint,
-                          cluster_m=cluster_m, stages=stages, swap_ab=True)
-            if is_valid(fields):
-                out.append(GemmConfig(**fields))
-                break
+        fields = dict(scheduler="stream_k", tile_m=tile_m, tile_n=rows, tile_k=tile_k, l2_hint=hint,
+                      cluster_m=cluster_m, swap_ab=True)
+        stages = max_stages(**fields)
+        if stages is not None:
+            out.append(GemmConfig(**fields, stages=stages))
     return out
 
 

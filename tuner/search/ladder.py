@@ -184,21 +184,19 @@ def tune_family(
             variants=variants,
         )
 
-    if ladder:
-        for i, m in enumerate(ladder_ms):
+    def tune_rungs(ms: list[int], variants: bool) -> None:
+        for i, m in enumerate(ms):
             if rung_budget.left() <= 0:
-                unreached += ladder_ms[i:]
-                break
-            outcomes[m] = tune_rung(m, variants=True, left=len(ladder_ms) - i)
+                unreached.extend(ms[i:])
+                return
+            outcomes[m] = tune_rung(m, variants, left=len(ms) - i)
+
+    if ladder:
+        tune_rungs(ladder_ms, variants=True)
         lap("ladder")
         # A fill rung's seeds are the winners of the rungs around it, whose
         # neighbouring variants were measured already.
-        fill = _fill_rungs(outcomes)
-        for i, m in enumerate(fill):
-            if rung_budget.left() <= 0:
-                unreached += fill[i:]
-                break
-            outcomes[m] = tune_rung(m, variants=False, left=len(fill) - i)
+        tune_rungs(_fill_rungs(outcomes), variants=False)
         lap("fill")
     fresh = any(not o.skipped for o in outcomes.values())
     family = family_of(template)
@@ -423,14 +421,18 @@ def _rung_picks(key: Key) -> list[GemmConfig]:
     return model_picks(key, RUNG_MODEL_PICKS) + few_row_seeds(key)
 
 
+def _nearest(outcomes: dict[int, Outcome], m: int) -> tuple[int | None, int | None]:
+    """The nearest tuned M below and above `m` (None where there is none)."""
+    return max((t for t in outcomes if t < m), default=None), min((t for t in outcomes if t > m), default=None)
+
+
 def _settled(outcomes: dict[int, Outcome], m: int) -> GemmConfig | None:
     """The config that won at the nearest tuned M on both sides of `m` by
     SETTLED_MARGIN or more over cuBLAS, if one did."""
-    below = [t for t in outcomes if t < m]
-    above = [t for t in outcomes if t > m]
-    if not below or not above:
+    below, above = _nearest(outcomes, m)
+    if below is None or above is None:
         return None
-    lo, hi = outcomes[max(below)].winner, outcomes[min(above)].winner
+    lo, hi = outcomes[below].winner, outcomes[above].winner
     if lo.config is None or lo.config_name != hi.config_name:
         return None
     if min(lo.speedup, hi.speedup) < SETTLED_MARGIN:
@@ -440,11 +442,8 @@ def _settled(outcomes: dict[int, Outcome], m: int) -> GemmConfig | None:
 
 def _neighbour_configs(outcomes: dict[int, Outcome], m: int) -> list[GemmConfig]:
     """The kernel winners of the nearest tuned M below and above `m`."""
-    below = [t for t in outcomes if t < m]
-    above = [t for t in outcomes if t > m]
-    near = ([max(below)] if below else []) + ([min(above)] if above else [])
     out = []
-    for t in near:
+    for t in (t for t in _nearest(outcomes, m) if t is not None):
         cfg = outcomes[t].winner.config
         if cfg is not None and GemmConfig.from_dict(cfg) not in out:
             out.append(GemmConfig.from_dict(cfg))

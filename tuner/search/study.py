@@ -249,6 +249,9 @@ def tune_key(
     started = time.monotonic()
     timeout = budget.timeout()
 
+    def late() -> bool:
+        return timeout is not None and time.monotonic() - started > timeout
+
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
 
     def done() -> int:
@@ -265,8 +268,7 @@ def tune_key(
             on_trial(Tick(min(count, trials), trials, best_speedup()))
         # Out of time, the seeds still queued are measured: they are the
         # candidates the model and the neighbours rank first.
-        late = timeout is not None and time.monotonic() - started > timeout
-        if count >= trials or late and not study_.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+        if count >= trials or late() and not study_.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
             study_.stop()
 
     remaining = trials - count
@@ -282,8 +284,7 @@ def tune_key(
     measured.update((t.config_name, t) for t in store.trials(key_id, env_id))
     # A key past its time skips its best config's neighbours: each is a
     # compile and a measurement more.
-    late = timeout is not None and time.monotonic() - started > timeout
-    winner, best, baseline_ms = _pick_winner(key, backend, measured, measure, variants and not late)
+    winner, best, baseline_ms = _pick_winner(key, backend, measured, measure, variants and not late())
     store.record_trials(key_id, env_id, unstored)
     store.set_winner(
         key_id, env_id, config_name=winner.config_name, scheduler=winner.scheduler,
