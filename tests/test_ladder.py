@@ -549,6 +549,36 @@ def test_budget_shares_the_time_left_and_a_key_past_it_measures_its_seeds_only(t
     assert out.winner.trials == len(seeds) and set(seeds) <= measured and len(measured) <= 3
 
 
+def test_a_deadline_tunes_every_rung_before_the_listed_keys_sample(tmp_path, monkeypatch):
+    """Breadth first under a deadline: the listed keys' seeds, then every
+    rung, then the listed keys' sampling with what is left. Each measurement
+    costs one second of a fake clock, so the schedule is exact."""
+    import time
+
+    from tuner.search.ladder import MAP_SHARE
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    class Ticking(MeasuredBackend):
+        def measure(self, key, cfg):
+            clock[0] += 1.0
+            return super().measure(key, cfg)
+
+    def run(seconds: float, db: str):
+        backend = Ticking("sm90")
+        keys = [Key("sm90", backend.device_name, Problem(m, 5376, 4096)) for m in (1, 16, 512)]
+        return tune_family(keys, backend, Store(str(tmp_path / db)), Budget(trials=40, until=clock[0] + seconds))
+
+    ample = run(1e6, "ample.db")
+    assert not ample.unreached and all(ample.rungs[m].winner.trials == 40 for m in (1, 16, 512))
+    # Time for the listed keys' seeds and the ladder's rungs, not for sampling.
+    tight = run(ample.seconds["listed"] + ample.seconds["ladder"] / (1 - MAP_SHARE) + 10, "tight.db")
+    assert not set(tight.unreached) & set(rungs([1, 16, 512]))
+    assert all(tight.rungs[m].winner.trials < 40 for m in (1, 16, 512))
+    assert tight.validated
+
+
 def test_a_rung_whose_neighbours_won_with_one_config_is_settled():
     from types import SimpleNamespace as NS
 

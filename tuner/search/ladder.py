@@ -80,9 +80,8 @@ RUNG_MODEL_PICKS = 2
 # A rung whose neighbours' common winner beat cuBLAS by at least this much at
 # both is settled: measured against cuBLAS, not searched (`_settled`).
 SETTLED_MARGIN = 1.03
-# A family tuned under a deadline (`Budget.until`) gives its listed keys
-# this share of its time and keeps MAP_SHARE of it for validation.
-LISTED_SHARE = 0.5
+# A family tuned under a deadline (`Budget.until`) keeps this share of its
+# time for validation.
 MAP_SHARE = 0.15
 # Under a deadline a family starts only with this share of an equal share
 # of the whole budget left (`tune_families`).
@@ -94,7 +93,8 @@ class FamilyOutcome:
     rungs: dict[int, Outcome]
     ranges: list[dict]
     validated: bool
-    # Wall seconds per stage: "listed" keys, "ladder" rungs, "fill" rungs, "map" validation.
+    # Wall seconds per stage: "listed" keys, "ladder" rungs, "fill" rungs,
+    # "deepen" (the listed keys' sampling under a deadline), "map" validation.
     seconds: dict[str, float]
     # Rungs a deadline left out (`Budget.until`): validation covers their M
     # with the winners of the rungs around them.
@@ -154,13 +154,20 @@ def tune_family(
                 if force or not is_current(store.winner(k.to_dict()), backend)]
         ahead = [c for k in todo for c in (first_configs(k) if k.problem.m in by_m else _rung_picks(k))]
         compile_ahead(backend, list(dict.fromkeys(ahead)), template)
-    # Under a deadline: the listed keys share LISTED_SHARE of the family's
-    # time, the rungs the rest but MAP_SHARE, which validation keeps.
-    listed_budget = budget.share(LISTED_SHARE)
-    for i, m in enumerate(sorted(by_m)):
-        outcomes[m] = tune_key(by_m[m], backend, store, listed_budget.share(1 / (len(by_m) - i)), name=name,
-                               force=force, on_trial=on_rung and on_rung(by_m[m], True))
+    # Under a deadline the family goes breadth first: the listed keys measure
+    # their seeds only, the rungs between them and the fill rungs are tuned,
+    # and only then do the listed keys sample, with the time left. A deep search gains a few
+    # per cent at its own M; a rung left out leaves every M around it to a
+    # neighbour's tile that does not fit it (H100, 27B in 170 s, listed keys
+    # searched first: rungs 32 and 64 unreached, and at M = 38-100 the map
+    # ran 1.00-1.04x cuBLAS where a full search's ran 1.04-1.16x).
+    deadline = budget.until is not None
+    for m in sorted(by_m):
+        outcomes[m] = tune_key(by_m[m], backend, store, budget, name=name, force=force,
+                               on_trial=on_rung and on_rung(by_m[m], True), sample=not deadline,
+                               variants=not deadline)
     lap("listed")
+    # Validation keeps MAP_SHARE of the time; the rest is the rungs' and the deepening's.
     rung_budget = budget.share(1 - MAP_SHARE)
     unreached: list[int] = []
 
@@ -198,6 +205,14 @@ def tune_family(
         # neighbouring variants were measured already.
         tune_rungs(_fill_rungs(outcomes), variants=False)
         lap("fill")
+    if deadline:
+        fresh_listed = [m for m in sorted(by_m) if not outcomes[m].skipped]
+        for i, m in enumerate(fresh_listed):
+            if rung_budget.left() <= 0:
+                break
+            outcomes[m] = tune_key(by_m[m], backend, store, rung_budget.share(1 / (len(fresh_listed) - i)),
+                                   name=name, force=True, on_trial=on_rung and on_rung(by_m[m], True))
+        lap("deepen")
     fresh = any(not o.skipped for o in outcomes.values())
     family = family_of(template)
     versions = backend.versions()

@@ -138,13 +138,14 @@ class _Failed(Exception):
 def tune_key(
     key: Key, backend: Backend, store: Store, budget: Budget, *, name: str = "",
     force: bool = False, on_trial: Callable[[Tick], None] | None = None,
-    seeds: Sequence[GemmConfig] = (), explore: bool = True, variants: bool = True,
+    seeds: Sequence[GemmConfig] = (), explore: bool = True, variants: bool = True, sample: bool = True,
 ) -> Outcome:
     """Search the pool for `key`, store and return the winner.
 
     A new study first measures `seeds`, then (with `explore`) the winners of
-    nearby tuned keys and (measured backends) the model's picks, then samples.
-    With `variants`, the best config's neighbours are measured before the
+    nearby tuned keys and (measured backends) the model's picks, then (with
+    `sample`) samples: a key searched again with `force` goes on sampling
+    where its study stopped. With `variants`, the best config's neighbours are measured before the
     final round (`_pick_winner`).
 
     A key whose winner was measured under the backend's current versions is
@@ -260,6 +261,8 @@ def tune_key(
     # Counted here rather than read from the storage after every trial: the
     # key has one writer at a time (its family's lease).
     count = done()
+    if not sample:
+        trials = count + len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
 
     def stop_when_spent(study_: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         nonlocal count
