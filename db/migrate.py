@@ -21,6 +21,8 @@ from alembic.config import Config
 from sqlalchemy import Connection, Engine
 
 _MIGRATIONS = Path(__file__).with_name("migrations")
+# Our Alembic version table: Optuna keeps its own history in `alembic_version`.
+VERSION_TABLE = "tuner_alembic_version"
 # Any constant of our own: the advisory lock that serialises schema set-up on PostgreSQL.
 _PG_LOCK_ID = 0x67656D6D
 
@@ -52,6 +54,16 @@ def init_lock(engine: Engine) -> Iterator[None]:
                 conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_PG_LOCK_ID})")
     else:
         yield
+
+
+def revisions(conn: Connection) -> tuple[str | None, str]:
+    """(the database's schema revision, this release's newest)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+    return current, head
 
 
 def upgrade(engine: Engine) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db.engine import configure, engine_kwargs, make_engine, resolve_url, sqlite_path
-from db.migrate import init_lock, upgrade
+from db.migrate import init_lock, revisions, upgrade
 from db.models import Environment, GemmKey, Lease, LeaseEvent, MRange, Trial, Winner
 
 KEY_FIELDS = (
@@ -137,9 +137,10 @@ class StoreError(RuntimeError):
 class Store:
     """One database: our tables plus Optuna's studies. A writer migrates it on
     open; a reader writes nothing (a read-only file or directory serves), and
-    a SQLite file that does not exist is an error rather than a new empty one."""
+    a SQLite file that does not exist is an error rather than a new empty one,
+    as is (unless not `current`) one of an older schema."""
 
-    def __init__(self, url: str | None = None, *, writer: bool = True) -> None:
+    def __init__(self, url: str | None = None, *, writer: bool = True, current: bool = True) -> None:
         self.url = resolve_url(url)
         where = make_url(self.url).render_as_string(hide_password=True)
         path = sqlite_path(self.url)
@@ -152,8 +153,12 @@ class Store:
             else:
                 with self.engine.connect() as conn:
                     conn.exec_driver_sql("SELECT 1 FROM tuner_environments LIMIT 1")
+                    found, head = revisions(conn)
         except (SQLAlchemyError, OSError) as exc:
             raise StoreError(f"cannot open database {where}: {_reason(exc)}") from None
+        if not writer and current and found != head:
+            raise StoreError(f"database {where} has schema revision {found}, this release reads {head}: "
+                             f"`tuner migrate` upgrades it, keeping every row")
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._optuna = None
 

@@ -122,6 +122,17 @@ def test_timing_plan_keeps_replays_long_and_measurements_short(estimate_ms):
     assert per_replay * replays <= max(2 * worker.TIMED_MS, worker.MIN_REPLAYS * per_replay)
 
 
+def test_interleaved_rounds_of_long_calls_are_capped_by_time():
+    # Microsecond calls keep every round asked for.
+    assert worker.capped_rounds(25, [0.02] * 7) == 25
+    # Seven candidates of 12 ms: MIN_ROUNDS rounds, not 25.
+    assert worker.capped_rounds(25, [12.0] * 7) == worker.MIN_ROUNDS
+    # In between, about ROUND_CAP_MS of calls.
+    n = worker.capped_rounds(25, [8.0, 8.0])
+    assert worker.MIN_ROUNDS < n < 25 and (n - 1) * 16.0 < worker.ROUND_CAP_MS <= n * 16.0
+    assert worker.capped_rounds(3, [12.0]) == 3
+
+
 def test_rel_error_flags_nan_and_wrong_results():
     torch = pytest.importorskip("torch")
     ref = torch.randn(64, 64)

@@ -550,9 +550,10 @@ def test_budget_shares_the_time_left_and_a_key_past_it_measures_its_seeds_only(t
 
 
 def test_a_deadline_tunes_every_rung_before_the_listed_keys_sample(tmp_path, monkeypatch):
-    """Breadth first under a deadline: the listed keys' seeds, then every
-    rung, then the listed keys' sampling with what is left. Each measurement
-    costs one second of a fake clock, so the schedule is exact."""
+    """Breadth first under a deadline, from the fewest rows up: the listed
+    keys' seeds and the rungs, then the listed keys' sampling with what is
+    left. Each measurement costs one second of a fake clock, so the schedule
+    is exact."""
     import time
 
     from tuner.search.ladder import MAP_SHARE
@@ -573,10 +574,15 @@ def test_a_deadline_tunes_every_rung_before_the_listed_keys_sample(tmp_path, mon
     ample = run(1e6, "ample.db")
     assert not ample.unreached and all(ample.rungs[m].winner.trials == 40 for m in (1, 16, 512))
     # Time for the listed keys' seeds and the ladder's rungs, not for sampling.
-    tight = run(ample.seconds["listed"] + ample.seconds["ladder"] / (1 - MAP_SHARE) + 10, "tight.db")
+    tight = run(ample.seconds["ladder"] / (1 - MAP_SHARE) + 10, "tight.db")
     assert not set(tight.unreached) & set(rungs([1, 16, 512]))
     assert all(tight.rungs[m].winner.trials < 40 for m in (1, 16, 512))
     assert tight.validated
+    # Less time: the rungs of the most rows are left, and M = 1 is always tuned.
+    short = run(ample.seconds["ladder"] / 3, "short.db")
+    ladder = rungs([1, 16, 512])
+    tuned = [m for m in ladder if m in short.rungs]
+    assert tuned == ladder[:len(tuned)] and 1 in tuned and set(short.unreached) >= set(ladder[len(tuned):]) != set()
 
 
 def test_a_rung_whose_neighbours_won_with_one_config_is_settled():

@@ -129,3 +129,22 @@ def test_a_database_from_before_overlap_keys_keeps_its_keys(tmp_path):
     assert store.key_id({f: v for f, v in key.to_dict().items() if f != "overlap"}) == 1
     assert store.key_id(Key("sm90", "dev", Problem(16, 5376, 2688, overlap=4096)).to_dict()) == 2
     store.close()
+
+
+def test_a_reader_names_an_older_schema_and_tuner_migrate_upgrades_it(tmp_path):
+    import subprocess
+    import sys
+
+    from alembic import command
+
+    from db.migrate import alembic_config
+    from db.store import StoreError
+
+    path = tmp_path / "old.db"
+    command.upgrade(alembic_config(f"sqlite:///{path}"), "0005")
+    with pytest.raises(StoreError, match="schema revision 0005, this release reads 0006: `tuner migrate`"):
+        Store(str(path), writer=False)
+    done = subprocess.run([sys.executable, "-m", "tuner.cli", "migrate", "--db", str(path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "schema revision 0006" in done.stdout, done.stderr
+    Store(str(path), writer=False).close()

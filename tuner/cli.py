@@ -42,13 +42,14 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _open(db: str | None, *, writer: bool = True):
+def _open(db: str | None, *, writer: bool = True, current: bool = True):
     """The store at `db`, or a one-line error (a missing, unreadable or
-    non-database file; a read-only one when writing)."""
+    non-database file; a read-only one when writing; for a reader, one of an
+    older schema unless not `current`)."""
     from db.store import Store, StoreError
 
     try:
-        return Store(db, writer=writer)
+        return Store(db, writer=writer, current=current)
     except StoreError as exc:
         _fail(str(exc))
 
@@ -298,7 +299,7 @@ def remap(
 
     # It rebuilds maps that exist: a mistyped path is an error, not a new
     # empty database (the reader's open refuses one).
-    _open(db, writer=False).close()
+    _open(db, writer=False, current=False).close()
     store = _open(db)
     changed = remap_maps(store)
     names = {family_id(fm.family): fm.name for fm in _family_maps(store)}
@@ -320,6 +321,21 @@ def remap(
     for name, _, old, new, moved in rows:
         table.add_row(name, f"{len(old)} -> {len(new)}", str(moved))
     console.print(table)
+
+
+@app.command()
+def migrate(db: Optional[str] = DbOption) -> None:
+    """Upgrade a database an earlier release wrote to this release's schema,
+    keeping every row (commands that write do it on their own; readers such
+    as `show` and `serve` ask for it)."""
+    from db.migrate import revisions
+
+    _open(db, writer=False, current=False).close()
+    store = _open(db)
+    with store.engine.connect() as conn:
+        found, _ = revisions(conn)
+    store.close()
+    console.print(f"database at schema revision {found}")
 
 
 def _choice_at(spans: list[tuple[int, int, str]], m: int) -> str:

@@ -7,10 +7,8 @@ own Alembic history, in the same database under `alembic_version`.
 from alembic import context
 
 from db.engine import make_engine
-from db.migrate import foreign_keys_off
+from db.migrate import VERSION_TABLE, foreign_keys_off
 from db.models import Base
-
-VERSION_TABLE = "tuner_alembic_version"
 
 config = context.config
 connection = config.attributes.get("connection")

@@ -49,6 +49,13 @@ TIMED_MS = 30.0
 MIN_REPLAYS = 5
 MAX_REPLAYS = 100
 MAX_LAUNCHES_PER_REPLAY = 256
+# An interleaved measurement stops after about ROUND_CAP_MS of calls once it
+# has MIN_ROUNDS rounds (`capped_rounds`): a call of milliseconds times
+# within a fraction of a per cent in a few rounds, and 25 cold rounds of the
+# candidates of a map point made validation the longest stage of a budgeted
+# tune (H200, Llama 3.1 8B's lm_head: 138 points, about 96 s of calls).
+ROUND_CAP_MS = 250.0
+MIN_ROUNDS = 7
 # Replays of a cold-protocol measurement (one call each) when no rounds are
 # given, and how many operand sets they take turns over (`_Timer`).
 COLD_REPLAYS = 25
@@ -100,6 +107,14 @@ def plan(estimate_ms: float) -> tuple[int, int]:
     launches = min(MAX_LAUNCHES_PER_REPLAY, max(1, math.ceil(REPLAY_MS / estimate_ms)))
     replays = round(TIMED_MS / (launches * estimate_ms))
     return launches, min(MAX_REPLAYS, max(MIN_REPLAYS, replays))
+
+
+def capped_rounds(rounds: int, estimates_ms: list[float]) -> int:
+    """`rounds` of interleaved replays of candidates that take about
+    `estimates_ms` a replay, fewer where they would take more than
+    ROUND_CAP_MS (never fewer than MIN_ROUNDS)."""
+    cap = max(MIN_ROUNDS, math.ceil(ROUND_CAP_MS / max(sum(estimates_ms), 1e-4)))
+    return min(rounds, cap)
 
 
 def rel_error(out, ref) -> float:
@@ -528,7 +543,8 @@ class Worker:
                 _raise_if_poisoned(exc)
                 results[i] = _reply(False, error=_describe(exc), detail=detail)
         if timers:
-            n = rounds or max(t.replays for _, t in timers)
+            n = capped_rounds(rounds or max(t.replays for _, t in timers),
+                              [t.estimate_ms * t.launches for _, t in timers])
             times, hold = _time_interleaved([t for _, t in timers], n, p)
             lapse = _hold_lapse(hold, p)
             for (i, t), ts in zip(timers, times, strict=True):

@@ -7,7 +7,10 @@ others are cheap: they measure their tuned neighbours' winners (compiled
 already, since one compiled kernel serves every M) and the model's best
 shapes for their own M. Where a rung's winner beat cuBLAS, the gaps next to
 it get a cheaper rung still at their geometric midpoints (`_fill_rungs`): a
-winning tile fits its own M's waves, not the M between.
+winning tile fits its own M's waves, not the M between. Under a deadline
+(`tuner tune --budget-s`) a family goes breadth first from the fewest rows
+up: listed keys measure their seeds, rungs their picks, and the listed keys
+sample only with the time the rungs left (`tune_family`).
 
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
 each pair of rungs (geometrically spaced), cuBLAS and the winners of the
@@ -93,11 +96,13 @@ class FamilyOutcome:
     rungs: dict[int, Outcome]
     ranges: list[dict]
     validated: bool
-    # Wall seconds per stage: "listed" keys, "ladder" rungs, "fill" rungs,
-    # "deepen" (the listed keys' sampling under a deadline), "map" validation.
+    # Wall seconds per stage: "listed" keys, "ladder" rungs (under a deadline
+    # the listed keys' seeds too), "fill" rungs, "deepen" (the listed keys'
+    # sampling under a deadline), "map" validation.
     seconds: dict[str, float]
-    # Rungs a deadline left out (`Budget.until`): validation covers their M
-    # with the winners of the rungs around them.
+    # Rungs (listed M too) a deadline left out (`Budget.until`): validation
+    # covers their M with the winners of the rungs around them, M above the
+    # last tuned rung stay on cuBLAS.
     unreached: tuple[int, ...] = ()
 
     @property
@@ -147,29 +152,32 @@ def tune_family(
 
     template = keys[0]
     ladder_ms = [m for m in rungs(list(by_m)) if m not in by_m] if ladder else []
+    deadline = budget.until is not None
+    # The order the keys are tuned in (why: below).
+    order = sorted({*by_m, *ladder_ms}) if deadline else [*sorted(by_m), *ladder_ms]
     if backend.name != "model":
         # Compile the first candidates of every key and rung to be searched
-        # on the host's cores while the first keys are measured.
-        todo = [k for k in [by_m[m] for m in sorted(by_m)] + [template.with_m(m) for m in ladder_ms]
+        # on the host's cores, in that order, while the first keys are measured.
+        todo = [k for k in [by_m[m] if m in by_m else template.with_m(m) for m in order]
                 if force or not is_current(store.winner(k.to_dict()), backend)]
         ahead = [c for k in todo for c in (first_configs(k) if k.problem.m in by_m else _rung_picks(k))]
         compile_ahead(backend, list(dict.fromkeys(ahead)), template)
-    # Under a deadline the family goes breadth first: the listed keys measure
-    # their seeds only, the rungs between them and the fill rungs are tuned,
-    # and only then do the listed keys sample, with the time left. A deep search gains a few
-    # per cent at its own M; a rung left out leaves every M around it to a
-    # neighbour's tile that does not fit it (H100, 27B in 170 s, listed keys
-    # searched first: rungs 32 and 64 unreached, and at M = 38-100 the map
-    # ran 1.00-1.04x cuBLAS where a full search's ran 1.04-1.16x).
-    deadline = budget.until is not None
-    for m in sorted(by_m):
-        outcomes[m] = tune_key(by_m[m], backend, store, budget, name=name, force=force,
-                               on_trial=on_rung and on_rung(by_m[m], True), sample=not deadline,
-                               variants=not deadline)
-    lap("listed")
-    # Validation keeps MAP_SHARE of the time; the rest is the rungs' and the deepening's.
+    # Under a deadline the family goes breadth first, from the fewest rows
+    # up: each listed key measures its seeds only and each rung its picks,
+    # then the fill rungs, and only then do the listed keys sample, with the
+    # time left. A deep search gains a few per cent at its own M, and at
+    # many rows a call costs milliseconds to measure while cuBLAS is hard to
+    # beat; a rung left out leaves every M around it to a neighbour's tile
+    # that does not fit it (H100, 27B in 170 s, listed keys searched first:
+    # rungs 32 and 64 unreached, and at M = 38-100 the map ran 1.00-1.04x
+    # cuBLAS where a full search's ran 1.04-1.16x).
+    # Validation keeps MAP_SHARE of a deadline's time.
     rung_budget = budget.share(1 - MAP_SHARE)
     unreached: list[int] = []
+
+    def tune_listed(m: int, sample: bool, key_budget: Budget, force_: bool) -> Outcome:
+        return tune_key(by_m[m], backend, store, key_budget, name=name, force=force_,
+                        on_trial=on_rung and on_rung(by_m[m], True), sample=sample, variants=sample)
 
     def tune_rung(m: int, variants: bool, left: int) -> Outcome:
         key = template.with_m(m)
@@ -193,25 +201,31 @@ def tune_family(
 
     def tune_rungs(ms: list[int], variants: bool) -> None:
         for i, m in enumerate(ms):
-            if rung_budget.left() <= 0:
+            if deadline and outcomes and rung_budget.left() <= 0:
                 unreached.extend(ms[i:])
                 return
-            outcomes[m] = tune_rung(m, variants, left=len(ms) - i)
+            outcomes[m] = (tune_listed(m, not deadline, budget, force) if m in by_m
+                           else tune_rung(m, variants, left=len(ms) - i))
 
-    if ladder:
+    if deadline:
+        tune_rungs(order, variants=True)
+        lap("ladder")
+    else:
+        tune_rungs(sorted(by_m), variants=True)
+        lap("listed")
         tune_rungs(ladder_ms, variants=True)
         lap("ladder")
+    if ladder:
         # A fill rung's seeds are the winners of the rungs around it, whose
         # neighbouring variants were measured already.
         tune_rungs(_fill_rungs(outcomes), variants=False)
         lap("fill")
     if deadline:
-        fresh_listed = [m for m in sorted(by_m) if not outcomes[m].skipped]
+        fresh_listed = [m for m in sorted(by_m) if m in outcomes and not outcomes[m].skipped]
         for i, m in enumerate(fresh_listed):
             if rung_budget.left() <= 0:
                 break
-            outcomes[m] = tune_key(by_m[m], backend, store, rung_budget.share(1 / (len(fresh_listed) - i)),
-                                   name=name, force=True, on_trial=on_rung and on_rung(by_m[m], True))
+            outcomes[m] = tune_listed(m, True, rung_budget.share(1 / (len(fresh_listed) - i)), True)
         lap("deepen")
     fresh = any(not o.skipped for o in outcomes.values())
     family = family_of(template)
