@@ -325,9 +325,10 @@ def remap(
 
 @app.command()
 def migrate(db: Optional[str] = DbOption) -> None:
-    """Upgrade a database an earlier release wrote to this release's schema,
-    keeping every row (commands that write do it on their own; readers such
-    as `show` and `serve` ask for it)."""
+    """Upgrade a database to this release's schema, keeping every row.
+
+    Commands that write upgrade a database an earlier release wrote on their
+    own; readers (`show`, `serve`, `export` ...) refuse it and name this."""
     from db.migrate import revisions
 
     _open(db, writer=False, current=False).close()

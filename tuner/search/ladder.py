@@ -9,8 +9,8 @@ shapes for their own M. Where a rung's winner beat cuBLAS, the gaps next to
 it get a cheaper rung still at their geometric midpoints (`_fill_rungs`): a
 winning tile fits its own M's waves, not the M between. Under a deadline
 (`tuner tune --budget-s`) a family goes breadth first from the fewest rows
-up: listed keys measure their seeds, rungs their picks, and the listed keys
-sample only with the time the rungs left (`tune_family`).
+up: listed keys measure their seeds, rungs their picks while time is left,
+and the listed keys sample only with the time the rungs left (`tune_family`).
 
 Then validation: at every rung and at `PROBES_PER_OCTAVE - 1` points between
 each pair of rungs (geometrically spaced), cuBLAS and the winners of the
@@ -100,9 +100,8 @@ class FamilyOutcome:
     # the listed keys' seeds too), "fill" rungs, "deepen" (the listed keys'
     # sampling under a deadline), "map" validation.
     seconds: dict[str, float]
-    # Rungs (listed M too) a deadline left out (`Budget.until`): validation
-    # covers their M with the winners of the rungs around them, M above the
-    # last tuned rung stay on cuBLAS.
+    # Rungs a deadline left out (`Budget.until`): validation covers their M
+    # with the winners of the rungs around them.
     unreached: tuple[int, ...] = ()
 
     @property
@@ -163,15 +162,15 @@ def tune_family(
         ahead = [c for k in todo for c in (first_configs(k) if k.problem.m in by_m else _rung_picks(k))]
         compile_ahead(backend, list(dict.fromkeys(ahead)), template)
     # Under a deadline the family goes breadth first, from the fewest rows
-    # up: each listed key measures its seeds only and each rung its picks,
-    # then the fill rungs, and only then do the listed keys sample, with the
-    # time left. A deep search gains a few per cent at its own M, and at
-    # many rows a call costs milliseconds to measure while cuBLAS is hard to
-    # beat; a rung left out leaves every M around it to a neighbour's tile
-    # that does not fit it (H100, 27B in 170 s, listed keys searched first:
-    # rungs 32 and 64 unreached, and at M = 38-100 the map ran 1.00-1.04x
-    # cuBLAS where a full search's ran 1.04-1.16x).
-    # Validation keeps MAP_SHARE of a deadline's time.
+    # up: each listed key measures its seeds only and each rung its picks
+    # (while time is left), then the fill rungs, and only then do the
+    # listed keys sample, with the time left. A deep search gains a few per
+    # cent at its own M, and at many rows a call costs milliseconds to
+    # measure while cuBLAS is hard to beat; a rung left out leaves every M
+    # around it to a neighbour's tile that does not fit it (H100, 27B in
+    # 170 s, listed keys searched first: rungs 32 and 64 unreached, and at
+    # M = 38-100 the map ran 1.00-1.04x cuBLAS where a full search's ran
+    # 1.04-1.16x). Validation keeps MAP_SHARE of a deadline's time.
     rung_budget = budget.share(1 - MAP_SHARE)
     unreached: list[int] = []
 
@@ -200,12 +199,14 @@ def tune_family(
         )
 
     def tune_rungs(ms: list[int], variants: bool) -> None:
+        # A listed key measures its seeds however late: its M is one the user asked for.
         for i, m in enumerate(ms):
-            if deadline and outcomes and rung_budget.left() <= 0:
-                unreached.extend(ms[i:])
-                return
-            outcomes[m] = (tune_listed(m, not deadline, budget, force) if m in by_m
-                           else tune_rung(m, variants, left=len(ms) - i))
+            if m in by_m:
+                outcomes[m] = tune_listed(m, not deadline, budget, force)
+            elif deadline and rung_budget.left() <= 0:
+                unreached.append(m)
+            else:
+                outcomes[m] = tune_rung(m, variants, left=len(ms) - i)
 
     if deadline:
         tune_rungs(order, variants=True)
@@ -227,19 +228,21 @@ def tune_family(
                 break
             outcomes[m] = tune_listed(m, True, rung_budget.share(1 / (len(fresh_listed) - i)), True)
         lap("deepen")
+    # A fill rung may be a ladder rung the deadline left out.
+    left_out = tuple(sorted(set(unreached) - set(outcomes)))
     fresh = any(not o.skipped for o in outcomes.values())
     family = family_of(template)
     versions = backend.versions()
     current = [r for r in store.ranges(**family) if r.source == "ladder" and not r.stale(versions)]
     covered = current and min(r.m_lo for r in current) <= min(outcomes) and max(r.m_hi for r in current) >= max(outcomes)
     if covered and not fresh and not force and not revalidate:
-        return FamilyOutcome(outcomes, [], validated=False, seconds=seconds, unreached=tuple(unreached))
+        return FamilyOutcome(outcomes, [], validated=False, seconds=seconds, unreached=left_out)
     points = _steady(template, _measure_points(template, outcomes, backend), backend)
     ranges = build_map(_steady(template, _refine(template, points, backend), backend))
     env_id = store.environment(backend.name, template.arch, template.device, versions)
     store.set_ranges(family, env_id, ranges)
     lap("map")
-    return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds, unreached=tuple(unreached))
+    return FamilyOutcome(outcomes, ranges, validated=True, seconds=seconds, unreached=left_out)
 
 
 def remap(store: Store) -> list[tuple[dict, list, list[dict]]]:
