@@ -53,7 +53,10 @@ MAX_LAUNCHES_PER_REPLAY = 256
 # has MIN_ROUNDS rounds (`capped_rounds`): a call of milliseconds times
 # within a fraction of a per cent in a few rounds, and 25 cold rounds of the
 # candidates of a map point made validation the longest stage of a budgeted
-# tune (H200, Llama 3.1 8B's lm_head: 138 points, about 96 s of calls).
+# tune (H200, Llama 3.1 8B's lm_head under a 165 s budget: 138 points whose
+# candidates' calls take 3.8 s a round, so about 96 s; the tune's family
+# took 198 s and left the other four families on cuBLAS: bench/results/logs/
+# nvidia-h200-cold-tune-llama-3.1-8b-seeds-first.json).
 ROUND_CAP_MS = 250.0
 MIN_ROUNDS = 7
 # Replays of a cold-protocol measurement (one call each) when no rounds are
