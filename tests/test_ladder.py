@@ -578,12 +578,14 @@ def test_a_deadline_tunes_every_rung_before_the_listed_keys_sample(tmp_path, mon
     assert not set(tight.unreached) & set(rungs([1, 16, 512]))
     assert all(tight.rungs[m].winner.trials < 40 for m in (1, 16, 512))
     assert tight.validated
-    # Less time: the rungs of the most rows are left; the listed keys measure their seeds.
+    # Less time: the rungs of the most rows are left out, the listed keys are tuned.
     short = run(ample.seconds["ladder"] / 3, "short.db")
     between = [m for m in rungs([1, 16, 512]) if m not in (1, 16, 512)]
     tuned = [m for m in between if m in short.rungs]
     assert tuned == between[:len(tuned)] and set(short.unreached) >= set(between[len(tuned):]) != set()
     assert all(short.rungs[m].winner.trials < 40 for m in (1, 16, 512))
+    # Reached past the family's time, the largest listed key measured a rung's few candidates.
+    assert short.rungs[512].winner.trials < tight.rungs[512].winner.trials
 
 
 def test_a_rung_whose_neighbours_won_with_one_config_is_settled():

@@ -163,7 +163,8 @@ def tune_family(
         compile_ahead(backend, list(dict.fromkeys(ahead)), template)
     # Under a deadline the family goes breadth first, from the fewest rows
     # up: each listed key measures its seeds only and each rung its picks
-    # (while time is left), then the fill rungs, and only then do the
+    # (past the family's time: rungs are left out, listed keys measure a
+    # rung's few candidates), then the fill rungs, and only then do the
     # listed keys sample, with the time left. A deep search gains a few per
     # cent at its own M, and at many rows a call costs milliseconds to
     # measure while cuBLAS is hard to beat; a rung left out leaves every M
@@ -179,7 +180,7 @@ def tune_family(
                         on_trial=on_rung and on_rung(by_m[m], True), sample=sample, variants=sample)
 
     def tune_rung(m: int, variants: bool, left: int) -> Outcome:
-        key = template.with_m(m)
+        key = by_m.get(m) or template.with_m(m)
         seeds = _neighbour_configs(outcomes, m)
         settled = _settled(outcomes, m)
         if settled:
@@ -194,16 +195,20 @@ def tune_family(
         return tune_key(
             key, backend, store,
             replace(rung_budget.share(1 / left), trials=max(1, sum(map(drawable, seeds)))),
-            name=name, force=force, on_trial=on_rung and on_rung(key, False), seeds=seeds, explore=False,
+            name=name, force=force, on_trial=on_rung and on_rung(key, m in by_m), seeds=seeds, explore=False,
             variants=variants,
         )
 
     def tune_rungs(ms: list[int], variants: bool) -> None:
-        # A listed key measures its seeds however late: its M is one the user asked for.
         for i, m in enumerate(ms):
-            if m in by_m:
+            late = deadline and rung_budget.left() <= 0
+            if m in by_m and not late:
                 outcomes[m] = tune_listed(m, not deadline, budget, force)
-            elif deadline and rung_budget.left() <= 0:
+            elif m in by_m:
+                # A listed M is one the user asked for: tuned however late,
+                # but as a rung is (its neighbours' winners and few picks).
+                outcomes[m] = tune_rung(m, False, left=len(ms) - i)
+            elif late:
                 unreached.append(m)
             else:
                 outcomes[m] = tune_rung(m, variants, left=len(ms) - i)
