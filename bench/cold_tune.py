@@ -84,6 +84,25 @@ def bench_maps(dbs: list[str], shapes: list[str], only: str, points: int, rounds
     return out
 
 
+def reference_problem(reference: str, device: str) -> str | None:
+    """Why `reference` cannot stand beside a tune on `device` (None if it
+    can): `gemm` serves a map only on the device it was measured on, so the
+    maps of another device would all run cuBLAS here."""
+    from db.store import Store, StoreError
+
+    try:
+        store = Store(reference, writer=False)
+    except StoreError as exc:
+        return str(exc)
+    try:
+        devices = {r.family["device"] for r in store.ranges()}
+    finally:
+        store.close()
+    if device not in devices:
+        return f"{reference} holds no M map of {device} (its maps are of: {', '.join(sorted(devices)) or 'none'})"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", required=True, help="The model's name in the output file.")
@@ -100,6 +119,8 @@ def main() -> None:
     parser.add_argument("--keep-db", default=None, help="Copy the tuned database here.")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
+    if args.reference and (why := reference_problem(args.reference, torch.cuda.get_device_name(0))):
+        parser.error(f"--reference: {why}")
     with tempfile.TemporaryDirectory() as tmp:
         shapes = Path(args.shapes or Path(tmp) / "shapes.txt")
         if args.model:
