@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import statistics
 from dataclasses import replace
 
@@ -46,6 +45,7 @@ from bench.kernels_sm90 import ARCH, device_slug, geomean
 from bench.record import save
 from kernels.space import GemmConfig
 from tuner.config_shapes import Attention, DecoderShape
+from tuner.backends.collective import free_port
 from tuner.key import Key, Problem
 
 # Projections whose output is a partial sum over the GPUs (sharded by K).
@@ -190,12 +190,6 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     from kernels.compile import compile_many
     from tuner.runtime.linears import config_path, load_config
@@ -224,7 +218,7 @@ def main() -> None:
     every = sorted({GemmConfig.from_name(c) for *_, names in plan for c in names}, key=GemmConfig.name)
     print(f"compiled {compile_many(every, workers=max(1, (os.cpu_count() or 2) - 2))} kernels", flush=True)
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(args.gpus, _free_port(), args, plan, results), nprocs=args.gpus, join=True)
+    mp.spawn(_rank, args=(args.gpus, free_port(), args, plan, results), nprocs=args.gpus, join=True)
     points = results["points"]
     save({"device": results["device"], "gpus": args.gpus, "nccl": results["nccl"], "iters": args.iters,
           "torch": torch.__version__, "summary": summarize(points), "points": points},

@@ -50,7 +50,7 @@ def tuned(tmp_path_factory):
     (b"16 1024 1099511627776\n", "over the largest size"),
     (b"16 1024 1024 held=132\n", "has 132 sms"),
     (b"16 1024 1024 held=5000\n", "held sms must be"),
-    (b"16 1024 1024\n16 1024 1024 overlap=allreduce:32768\n", "tuning beside an all-reduce is not built"),
+    (b"16 1024 1024\n16 1024 1024 overlap=allreduce:32768\n", "the model does not price an all-reduce"),
     (b"16 1024 1024 overlap=allreduce:2199023255552\n", "bytes must be 1 to"),
     (b"1024 1024 1024 groups=99999999\n", "groups=99999999"),
     (b"16 1024 1024 groups=2 groups=3\n", "given twice"),
@@ -62,6 +62,19 @@ def test_bad_shape_file_is_one_line_naming_file_and_line(tuned, tmp_path, conten
     bad.write_bytes(content)
     line = one_line_error(tuner("tune", "--shapes", str(bad), db=tuned))
     assert str(bad) in line and words in line.lower()
+    assert digest(tuned) == before
+
+
+@pytest.mark.parametrize("args, words", [
+    ((), "give the gpus its all-reduce spans with --tp 2 or more"),
+    (("--tp", "2", "--devices", "0,1"), "--devices shares families between workers"),
+])
+def test_an_overlap_key_on_the_gpu_needs_its_all_reduce_s_gpus_and_one_worker(tuned, tmp_path, args, words):
+    before = digest(tuned)
+    shapes = tmp_path / "o.txt"
+    shapes.write_text("16 1024 1024\n16 1024 1024 overlap=allreduce:32768\n")
+    line = one_line_error(tuner("tune", "--shapes", str(shapes), "--backend", "gpu", *args, db=tuned))
+    assert f"{shapes}:2: overlap=allreduce:32768" in line and words in line.lower()
     assert digest(tuned) == before
 
 

@@ -220,6 +220,14 @@ def test_a_device_of_another_arch_is_unavailable(tmp_path):
         GpuBackend("sm90", argv=_fake_argv(tmp_path, capability=(8, 0)))
 
 
+def test_an_overlap_key_needs_the_gpus_of_its_all_reduce(tmp_path, fake_backend):
+    refused = fake_backend.measure(_key(overlap=1 << 20), GemmConfig())
+    assert not refused.ok and "needs the GPUs it spans: tune with --tp" in refused.error
+    # The fake worker sees one GPU: an all-reduce over two cannot be timed.
+    with pytest.raises(GpuUnavailable, match=r"an all-reduce over GPUs \[0, 1\]: 1 are visible"):
+        GpuBackend("sm90", argv=_fake_argv(tmp_path), overlap_devices=(1,))
+
+
 def test_a_worker_that_cannot_start_makes_the_gpu_unavailable(tmp_path):
     with pytest.raises(GpuUnavailable):
         GpuBackend("sm90", argv=[sys.executable, "-c", "import sys; sys.exit(1)"])
@@ -317,6 +325,28 @@ def test_holding_half_the_sms_slows_a_cublas_gemm(gpu):
     assert held.detail["resident"] == gpu.sm_count // 2
     # Ideal is 2x; anything above 1.5x shows the SMs were really taken.
     assert held.ms / free.ms > 1.5
+
+
+@pytest.mark.gpu
+def test_an_overlap_key_is_timed_by_its_makespan_beside_the_all_reduce():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("an all-reduce needs two GPUs")
+    backend = GpuBackend("sm90", overlap_devices=(1,))
+    try:
+        plain = _gpu_key(backend, 2048, 5376, 2688)
+        beside = _gpu_key(backend, 2048, 5376, 2688, overlap=64 << 20)
+        alone, = backend.remeasure(plain, [None], cold=True)
+        cublas, = backend.remeasure(beside, [None])
+        kernel = backend.measure(beside, GemmConfig(scheduler="static_persistent", sm_budget=backend.sm_count - 16))
+        assert alone.ok and cublas.ok and kernel.ok, (alone.error, cublas.error, kernel.error)
+        assert cublas.rel_err < 1e-2 and kernel.rel_err < 1e-2
+        # A 64 MB all-reduce over two GPUs takes longer than this GEMM alone:
+        # the makespan holds it.
+        assert cublas.ms > alone.ms and kernel.ms > alone.ms * 0.5
+    finally:
+        backend.close()
 
 
 @pytest.mark.gpu

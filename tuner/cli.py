@@ -54,7 +54,7 @@ def _open(db: str | None, *, writer: bool = True, current: bool = True):
         _fail(str(exc))
 
 
-def _backend(name: str, arch: str):
+def _backend(name: str, arch: str, tp: int = 1):
     if name not in BACKENDS:
         _fail(f"unknown backend {name!r}; expected one of {BACKENDS}")
     if arch not in ARCHS:
@@ -66,7 +66,7 @@ def _backend(name: str, arch: str):
     from tuner.backends.gpu import GpuBackend, GpuUnavailable
 
     try:
-        return GpuBackend(arch)
+        return GpuBackend(arch, overlap_devices=tuple(range(1, tp)))
     except GpuUnavailable as exc:
         _fail(f"the gpu backend is not available here: {exc}")
 
@@ -107,6 +107,9 @@ def tune(
         None, "--lease-ttl", envvar="TUNER_LEASE_TTL_S", min=0.5,
         help="Seconds a family's lease outlives its holder's last heartbeat (default 600): a worker "
         "that died on another host is taken over after this."),
+    tp: int = typer.Option(
+        1, "--tp", min=1, help="GPUs an overlap key's all-reduce spans (overlap=allreduce:BYTES): "
+        "GPU 0 times the GEMM, GPUs 1 to TP-1 run their share of the all-reduce."),
     worker_events: bool = typer.Option(False, "--worker-events", hidden=True),
     db: Optional[str] = DbOption,
 ) -> None:
@@ -140,9 +143,13 @@ def tune(
         if not entries:
             _fail(f"no key of {shapes} has a name matching {only!r}")
     for e in entries:
-        if e.problem.overlap:
-            _fail(f"{resolve(shapes)}:{e.line}: overlap={overlap_text(e.problem.overlap)}: tuning beside an "
-                  "all-reduce is not built yet; store such a key's winners with `tuner import`")
+        # Timing beside an all-reduce takes the GPUs it spans, one process each.
+        why = ("the model does not price an all-reduce" if backend == "model"
+               else "give the GPUs its all-reduce spans with --tp 2 or more" if tp < 2
+               else "--devices shares families between workers; tune overlap keys apart" if devices is not None
+               else None)
+        if e.problem.overlap and why:
+            _fail(f"{resolve(shapes)}:{e.line}: overlap={overlap_text(e.problem.overlap)}: {why}")
     if devices is not None:
         if model is not None:
             _fail("--devices tunes a shape file: write the model's with `tuner shapes --from-model` first")
@@ -151,7 +158,7 @@ def tune(
             ladder=ladder, force=force, revalidate=revalidate, only=only, lease_ttl=lease_ttl, db=db,
         ), as_json, entries)
         return
-    bk = _backend(backend, arch)
+    bk = _backend(backend, arch, tp)
     for e in entries:
         if e.problem.carveout >= bk.sm_count:
             _fail(f"{resolve(shapes)}:{e.line}: held={e.problem.carveout}: {bk.device_name} has "

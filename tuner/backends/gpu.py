@@ -228,8 +228,9 @@ def compile_workers() -> int:
     return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) - 2)
 
 
-def worker_argv(device_index: int) -> list[str]:
-    return [sys.executable, "-m", "tuner.backends.gpu_worker", "--device", str(device_index)]
+def worker_argv(device_index: int, overlap_devices: tuple[int, ...] = ()) -> list[str]:
+    argv = [sys.executable, "-m", "tuner.backends.gpu_worker", "--device", str(device_index)]
+    return argv + (["--overlap-devices", ",".join(map(str, overlap_devices))] if overlap_devices else [])
 
 
 def _worker_env() -> dict[str, str]:
@@ -249,14 +250,18 @@ class GpuBackend:
 
     def __init__(self, arch: str = "sm90", device_index: int = 0, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, argv: list[str] | None = None,
-                 group_skew: float | None = None):
-        """`group_skew`: Zipf exponent of MoE group sizes (None: the worker's default, 0: equal)."""
+                 group_skew: float | None = None, overlap_devices: tuple[int, ...] = ()):
+        """`group_skew`: Zipf exponent of MoE group sizes (None: the worker's
+        default, 0: equal). `overlap_devices`: the other GPUs an overlap
+        key's all-reduce spans, one partner process each
+        (`tuner.backends.collective`); without them overlap keys are refused."""
         if arch not in _CAPABILITY:
             raise GpuUnavailable(f"unknown arch {arch!r}")
         self.arch = arch
         self.timeout_s = timeout_s
         self.group_skew = group_skew
-        self._worker = WorkerProcess(argv or worker_argv(device_index), env=_worker_env())
+        self.overlap_devices = tuple(overlap_devices)
+        self._worker = WorkerProcess(argv or worker_argv(device_index, self.overlap_devices), env=_worker_env())
         try:
             hello = self._worker.start()
         except (WorkerLost, OSError) as exc:
@@ -267,6 +272,11 @@ class GpuBackend:
             raise GpuUnavailable(
                 f"{hello['device_name']} is sm_{capability[0]}{capability[1]}; it cannot run {arch} kernels"
             )
+        missing = [d for d in self.overlap_devices if d >= hello.get("device_count", 1)]
+        if missing:
+            self._worker.kill()
+            raise GpuUnavailable(f"an all-reduce over GPUs {[device_index, *self.overlap_devices]}: "
+                                 f"{hello.get('device_count', 1)} are visible")
         self.device_name: str = hello["device_name"]
         self.sm_count: int = hello["sm_count"]
         # The driver's figures model this device where no calibration does.
@@ -399,8 +409,8 @@ class GpuBackend:
             return f"key is for {key.device!r}; this GPU is {self.device_name!r}"
         if p.carveout >= self.sm_count:
             return f"cannot hold {p.carveout} of {self.sm_count} SMs"
-        if p.overlap:
-            return "timing beside an all-reduce (an overlap key) takes one process per GPU; not built yet"
+        if p.overlap and not self.overlap_devices:
+            return "timing beside an all-reduce (an overlap key) needs the GPUs it spans: tune with --tp"
         if cfg is None:
             return None
         if cfg == CUBLAS_LOOP:

@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from tuner.backends import probe
 from tuner.backends.measure import trimmed_mean
@@ -410,17 +410,25 @@ class _Timer:
         import torch
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.flush()
+        start.record()
+        self.replay()
+        end.record()
+        return start, end
+
+    def flush(self) -> None:
+        """Evict L2 (the cold protocol; nothing otherwise)."""
         if self._flush is not None:
             self._flush.add_(1)
-        start.record()
+
+    def replay(self) -> None:
+        """Enqueue one replay of `launches` calls."""
         if self._graphs:
             self._graphs[self._turn % len(self._graphs)].replay()
             self._turn += 1
         else:
             for _ in range(self.launches):
                 self._one()
-        end.record()
-        return start, end
 
     def per_launch(self, events: tuple) -> float:
         return events[0].elapsed_time(events[1]) / self.launches
@@ -462,15 +470,47 @@ def _time_interleaved(timers: list[_Timer], rounds: int, p: dict) -> tuple[list[
     return times, dict(hold)
 
 
+def _time_beside(timers: list[_Timer], rounds: int, nbytes: int, group) -> list[list[float]]:
+    """Makespans (ms) of each timer's call beside an all-reduce of `nbytes`
+    over `group`, `rounds` rounds with positions rotated: all ranks aligned
+    and idle, the all-reduce launched first on a stream of its own so that
+    its kernels hold SMs when the GEMM starts, as a serving engine's do;
+    from before the first launch until both are done."""
+    import torch
+
+    main, comm = torch.cuda.current_stream(), torch.cuda.Stream()
+    buf = group.begin(rounds * len(timers), nbytes)
+    times: list[list[float]] = [[] for _ in timers]
+    for r in range(rounds):
+        for i in [(r + j) % len(timers) for j in range(len(timers))]:
+            group.align()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            timers[i].flush()
+            start.record()
+            comm.wait_stream(main)
+            with torch.cuda.stream(comm):
+                group.all_reduce(buf)
+            timers[i].replay()
+            main.wait_stream(comm)
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return times
+
+
 # ---------------------------------------------------------------- requests
 
 
 class Worker:
-    def __init__(self, device: int):
+    def __init__(self, device: int, overlap_devices: Sequence[int] = ()):
+        """`overlap_devices`: the other GPUs an overlap key's all-reduce spans
+        (`tuner.backends.collective`); without them overlap keys are refused."""
         import torch
 
         torch.cuda.set_device(device)
         self.device = device
+        self.overlap_devices = tuple(overlap_devices)
+        self._group = None
         props = torch.cuda.get_device_properties(device)
         self.props = props
         self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
@@ -493,6 +533,7 @@ class Worker:
         return {
             "ok": True, "device_name": p.name, "capability": [p.major, p.minor],
             "sm_count": p.multi_processor_count, "l2_bytes": self.l2_bytes,
+            "device_count": torch.cuda.device_count(),
             "versions": versions(p.name), "torch_cuda": torch.version.cuda, "facts": probe.facts(self.device),
         }
 
@@ -520,9 +561,29 @@ class Worker:
             self._flush = torch.empty(2 * self.l2_bytes // 4, dtype=torch.float32, device="cuda")
         return self._flush
 
+    def close(self) -> None:
+        """End the all-reduce group's partners, if any were started."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def group(self):
+        """The all-reduce group of this GPU and `overlap_devices`, started on first use."""
+        if self._group is None:
+            from tuner.backends.collective import Group
+
+            if not self.overlap_devices:
+                raise RuntimeError("an overlap key needs the GPUs its all-reduce spans (tuner tune --tp)")
+            self._group = Group([self.device, *self.overlap_devices])
+        return self._group
+
     def _run(self, p: dict, cfgs: list, checks: list[bool], rounds: int | None, cold: bool = False) -> list[dict]:
-        """Check, then time `cfgs` on `p`; a failure of one candidate leaves the others."""
+        """Check, then time `cfgs` on `p`; a failure of one candidate leaves the others.
+        An overlap key's candidates are timed by their makespans beside its
+        all-reduce, one call each after an L2 flush (`_time_beside`)."""
         s = self.session(p)
+        overlap = p.get("overlap", 0)
+        cold = cold or bool(overlap)
         flush = self._flush_buffer() if cold else None
         results: list[dict | None] = [None] * len(cfgs)
         timers: list[tuple[int, _Timer]] = []
@@ -548,7 +609,10 @@ class Worker:
         if timers:
             n = capped_rounds(rounds or max(t.replays for _, t in timers),
                               [t.estimate_ms * t.launches for _, t in timers])
-            times, hold = _time_interleaved([t for _, t in timers], n, p)
+            if overlap:
+                times, hold = _time_beside([t for _, t in timers], n, overlap, self.group()), {}
+            else:
+                times, hold = _time_interleaved([t for _, t in timers], n, p)
             lapse = _hold_lapse(hold, p)
             for (i, t), ts in zip(timers, times, strict=True):
                 if lapse:
@@ -693,10 +757,14 @@ def _protocol_channel():
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--overlap-devices", default="", help="Comma-separated: the other GPUs of an all-reduce.")
     args = parser.parse_args(argv)
     reply = _protocol_channel()
-    worker = Worker(args.device)
-    serve(worker, sys.stdin, reply)
+    worker = Worker(args.device, [int(d) for d in args.overlap_devices.split(",") if d])
+    try:
+        serve(worker, sys.stdin, reply)
+    finally:
+        worker.close()
 
 
 if __name__ == "__main__":
