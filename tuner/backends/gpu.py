@@ -411,6 +411,8 @@ class GpuBackend:
             return f"cannot hold {p.carveout} of {self.sm_count} SMs"
         if p.overlap and not self.overlap_devices:
             return "timing beside an all-reduce (an overlap key) needs the GPUs it spans: tune with --tp"
+        if p.overlap and p.carveout:
+            return "an overlap key holds no SMs: its all-reduce takes what it needs"
         if cfg is None:
             return None
         if cfg == CUBLAS_LOOP:

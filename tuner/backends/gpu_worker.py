@@ -620,7 +620,8 @@ class Worker:
                 ms = trimmed_mean(ts) if cold else statistics.median(ts)
                 results[i]["ms"] = ms
                 results[i]["detail"].update(
-                    timing=t.mode + (" cold" if cold else ""), launches=t.launches, replays=len(ts),
+                    timing=t.mode + (" cold" if cold else "") + (" beside an all-reduce" if overlap else ""),
+                    launches=t.launches, replays=len(ts),
                     buffer_sets=s.count,
                     min_ms=min(ts), tflops=_flops(p) / ms / 1e9, **hold,
                 )

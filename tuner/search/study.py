@@ -145,8 +145,8 @@ def tune_key(
     A new study first measures `seeds`, then (with `explore`) the winners of
     nearby tuned keys and (measured backends) the model's picks, then (with
     `sample`) samples: a key searched again with `force` goes on sampling
-    where its study stopped. With `variants`, the best config's neighbours are measured before the
-    final round (`_pick_winner`).
+    where its study stopped. With `variants`, the best config's neighbours
+    are measured before the final round (`_pick_winner`).
 
     A key whose winner was measured under the backend's current versions is
     skipped unless `force`.
