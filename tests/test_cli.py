@@ -227,6 +227,10 @@ def test_tune_under_a_time_budget_ends_near_it_and_says_what_it_left_on_cublas(t
     left = [f for f in out["families"] if f["state"] == "unreached" or f["unreached_m"]]
     assert left, out["families"]
     assert out["totals"]["seconds"] < 8
+    # Where each tuned family's time went, stage by stage (a deadline's order).
+    for f in out["families"]:
+        if f["state"] == "tuned":
+            assert list(f["stages"]) == ["ladder", "fill", "deepen", "map"] and sum(f["stages"].values()) <= 8
     # The person reading stderr is told the same, in 80 columns.
     lines = proc.stderr.splitlines()
     assert any("not reached in the time budget" in line or "out of time" in line for line in lines)

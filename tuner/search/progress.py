@@ -65,6 +65,8 @@ class FamilyRecord:
     seconds: float = 0.0
     worker: str | None = None       # `--devices`: the GPU whose worker took it
     unreached_m: list[int] = field(default_factory=list)  # rungs the time budget left out
+    # Wall seconds per stage of `tune_family` ("listed", "ladder", "fill", "deepen", "map").
+    stages: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_outcome(cls, name: str, state: str, outcome, seconds: float) -> FamilyRecord:
@@ -78,7 +80,7 @@ class FamilyRecord:
             name, "current" if state == "current" else "tuned" if tuned else "remapped",
             rungs=len(outcome.rungs), tuned_m=tuned, spans=len(outcome.ranges) if outcome.validated else None,
             best_speedup=round(max(w.speedup for w in winners), 4) if winners else None,
-            seconds=round(seconds, 2), unreached_m=list(outcome.unreached),
+            seconds=round(seconds, 2), unreached_m=list(outcome.unreached), stages=dict(outcome.seconds),
         )
 
     @classmethod
