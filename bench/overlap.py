@@ -45,7 +45,7 @@ from bench.kernels_sm90 import ARCH, device_slug, geomean
 from bench.record import save
 from kernels.space import GemmConfig
 from tuner.config_shapes import Attention, DecoderShape
-from tuner.backends.collective import free_port
+from tuner.backends.collective import free_port, init_rank
 from tuner.key import Key, Problem
 
 # Projections whose output is a partial sum over the GPUs (sharded by K).
@@ -107,9 +107,7 @@ def _point(record: dict) -> dict:
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, plan: list, results: dict) -> None:
     from kernels.compile import get_kernel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    init_rank(rank, world, port, rank)
     comm = torch.cuda.Stream()
     out = []
     for model, hidden, name, m, n, k, names in plan:

@@ -39,7 +39,10 @@ def _bind(device: int | None):
     return torch.device("cuda", device), "nccl"
 
 
-def _init(rank: int, world: int, port: int, device: int | None):
+def init_rank(rank: int, world: int, port: int, device: int | None):
+    """Join a process group of `world` ranks meeting on this host's `port`,
+    as `rank` on GPU `device` (NCCL) or on the CPU (None: gloo); returns
+    the rank's torch device."""
     import torch.distributed as dist
 
     where, backend = _bind(device)
@@ -67,7 +70,7 @@ def partner(rank: int, world: int, port: int, device: int | None) -> None:
     import torch
     import torch.distributed as dist
 
-    where = _init(rank, world, port, device)
+    where = init_rank(rank, world, port, device)
     command = torch.zeros(2, dtype=torch.int64, device=where)
     dist.all_reduce(_buffer(WARMUP_BYTES, where))
     while True:
@@ -102,7 +105,7 @@ class Group:
                           for r in range(1, self.world)]
         for p in self._partners:
             p.start()
-        self.where = _init(0, self.world, port, devices[0])
+        self.where = init_rank(0, self.world, port, devices[0])
         self._command = torch.zeros(2, dtype=torch.int64, device=self.where)
         self.all_reduce(_buffer(WARMUP_BYTES, self.where))
         self._left = 0

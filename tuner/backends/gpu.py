@@ -272,11 +272,11 @@ class GpuBackend:
             raise GpuUnavailable(
                 f"{hello['device_name']} is sm_{capability[0]}{capability[1]}; it cannot run {arch} kernels"
             )
-        missing = [d for d in self.overlap_devices if d >= hello.get("device_count", 1)]
-        if missing:
+        visible = hello.get("device_count", 1)
+        if any(d >= visible for d in self.overlap_devices):
             self._worker.kill()
             raise GpuUnavailable(f"an all-reduce over GPUs {[device_index, *self.overlap_devices]}: "
-                                 f"{hello.get('device_count', 1)} are visible")
+                                 f"{visible} are visible")
         self.device_name: str = hello["device_name"]
         self.sm_count: int = hello["sm_count"]
         # The driver's figures model this device where no calibration does.
