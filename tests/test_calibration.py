@@ -104,6 +104,17 @@ def test_calibrate_prints_a_table_and_rejects_what_it_cannot_fit(small_db, tmp_p
     assert proc.returncode == 2 and "no measured trials of 'no such GPU'" in proc.stdout
 
 
+def test_calibrate_fits_the_trials_of_several_databases_together(small_db, tmp_path):
+    other = _measure(tmp_path / "other.db", FAMILIES[3:5], (2048,), 8)
+    proc = calibrate(small_db, tmp_path / "calibration.json", "--also", str(other), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (fit,) = json.loads(proc.stdout)
+    families = fit["train_families"] + fit["heldout_families"]
+    assert len(families) == 5 and any(f.startswith("1024x512") for f in families)
+    proc = calibrate(small_db, tmp_path / "calibration.json", "--also", str(tmp_path / "missing.db"))
+    assert proc.returncode == 2 and "missing.db" in proc.stdout
+
+
 @pytest.mark.parametrize("content, words", [
     ('{"format": "other", "version": 1, "devices": {}}', "format"),
     ('{"format": "gemm-tuner-calibration", "version": 9, "devices": {}}', "version 9"),
@@ -153,10 +164,13 @@ def test_quick_calibration_keeps_a_fitted_entry_and_scales_another_device_from_i
     save_entry(cal_file, DEVICE, entry)
     ref = device_model("sm90", DEVICE)
     assert "fitted calibration of H100-perturbed" in model_source("sm90", DEVICE)
-    # Another device of the arch, twice the bandwidth, 10 % more tensor rate
-    # per SM on 10 % fewer SMs: the reference's constants, its rates scaled.
-    other = DRIVER | {"name": "Other", "sms": 119, "l2_bytes": 60 * 2**20}
-    figures = PROBE | {"copy_gbps": 4800.0, "mma_tflops": 790.0 * 1.1 * 119 / 132}
+    # Another device of the arch, twice the DRAM peak (its copies only 1.2x
+    # as fast, as HBM3e's are), 10 % more tensor rate per SM on 10 % fewer
+    # SMs: the reference's constants, its rates scaled, DRAM by the peaks.
+    other = DRIVER | {"name": "Other", "sms": 119, "l2_bytes": 60 * 2**20, "hbm_bw": 6.7e12}
+    figures = PROBE | {"copy_gbps": 2880.0, "mma_tflops": 790.0 * 1.1 * 119 / 132}
+    without_peak, _ = quick_entry("sm90", other | {"hbm_bw": None}, figures, read_calibrations(cal_file))
+    assert without_peak["facts"]["hbm_bw"] == pytest.approx(1.2 * ref.hbm_bw)
     entry, how = quick_entry("sm90", other, figures, read_calibrations(cal_file))
     save_entry(cal_file, "Other", entry)
     dev = device_model("sm90", "Other")
@@ -184,8 +198,12 @@ def test_quick_calibration_without_a_reference_takes_the_measured_rates(tmp_path
     entry, how = quick_entry("sm90", DRIVER, PROBE | {"launch_us": 50.0}, {})
     base = DEVICES["sm90"]
     assert "datasheet" in how
-    # The model's efficiencies applied to these rates give what was measured.
-    assert entry["facts"]["hbm_bw"] * base.hbm_efficiency == pytest.approx(2400e9)
+    # The DRAM peak is the driver's, as the datasheet model's is the
+    # datasheet's; the copy stands in where the driver has none.
+    assert entry["facts"]["hbm_bw"] == DRIVER["hbm_bw"]
+    bare, _ = quick_entry("sm90", DRIVER | {"hbm_bw": None}, PROBE, {})
+    assert bare["facts"]["hbm_bw"] * base.hbm_efficiency == pytest.approx(2400e9)
+    # The model's efficiency applied to the tensor rate gives what was measured.
     peak = entry["facts"]["sms"] * base.flops_per_clk_sm * entry["facts"]["clock_hz"]
     assert peak * base.mma_efficiency == pytest.approx(790e12)
     # A probe figure out of the model's range is held at its bound.
@@ -201,3 +219,30 @@ def test_an_uncalibrated_device_is_modelled_with_its_driver_figures():
     assert dev.mma_efficiency == DEVICES["sm90"].mma_efficiency
     assert "driver's figures" in model_source("sm90", "Uncalibrated GPU")
     assert "not calibrated" in model_source("sm90", "Never seen")
+
+
+def test_quick_calibration_rebuilds_an_entry_from_recorded_figures(tmp_path, monkeypatch):
+    """`calibrate --quick --figures`: no GPU, the recorded driver and probe
+    figures scaled from the fitted reference as a probe's would be."""
+    from tuner.backends.calibration import save_entry
+    from tuner.backends.model import MODEL_VERSION, device_model
+
+    cal_file = tmp_path / "calibration.json"
+    save_entry(cal_file, DEVICE, {"arch": "sm90", "constants": dict(TRUTH), "model_version": MODEL_VERSION,
+                                  "fitted_at": "2026-11-01T00:00:00+00:00", "probe": PROBE, "driver": DRIVER})
+    recorded = tmp_path / "quick.json"
+    recorded.write_text(json.dumps({"device": "Faster", "driver": DRIVER | {"name": "Faster", "hbm_bw": 5.025e12},
+                                    "probe": PROBE | {"copy_gbps": 2700.0}}))
+    proc = calibrate("unused.db", cal_file, "--quick", "--figures", str(recorded), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["how"] == f"scaled from {DEVICE}"
+    monkeypatch.setenv(CALIBRATION_ENV, str(cal_file))
+    assert device_model("sm90", "Faster").hbm_bw == pytest.approx(1.5 * device_model("sm90", DEVICE).hbm_bw)
+
+    recorded.write_text(json.dumps({"driver": DRIVER, "probe": {"copy_gbps": 1.0}}))
+    before = cal_file.read_text()
+    proc = calibrate("unused.db", cal_file, "--quick", "--figures", str(recorded))
+    assert proc.returncode == 2 and "probe.mma_tflops missing" in proc.stdout
+    assert cal_file.read_text() == before
+    proc = calibrate("unused.db", cal_file, "--figures", str(recorded))
+    assert proc.returncode == 2 and "--figures goes with --quick" in proc.stdout

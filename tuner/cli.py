@@ -586,6 +586,12 @@ def calibrate(
         False, "--quick", help="Probe this machine's GPU instead (seconds of micro-benchmarks) and store "
         "its entry."),
     arch: str = typer.Option("sm90", help="With --quick: the architecture whose model the entry is for."),
+    figures: Optional[Path] = typer.Option(
+        None, "--figures", help="With --quick: the figures a `calibrate --quick --json` printed, instead of "
+        "a probe (no GPU needed: rebuilds the entry after its reference was fitted again)."),
+    also: list[str] = typer.Option(
+        [], "--also", help="Another database whose trials join the fit (repeatable): more families, "
+        "fewer held out by chance."),
     as_json: bool = typer.Option(False, "--json", help="Print the fit and its scores as JSON."),
     db: Optional[str] = DbOption,
 ) -> None:
@@ -597,29 +603,31 @@ def calibrate(
     from tuner.backends.calibration import calibrate as fit_device, devices, save
     from tuner.backends.model import calibration_path
 
+    if figures is not None and not quick:
+        _fail("--figures goes with --quick")
     if quick:
-        _calibrate_quick(arch, output or calibration_path(), as_json)
+        _calibrate_quick(arch, output or calibration_path(), as_json, figures)
         return
 
-    store = _open(db, writer=False)
-    found = devices(store)
+    stores = [_open(db, writer=False)] + [_open(url, writer=False) for url in also]
+    found = sorted({d for store in stores for d in devices(store)})
     if device is not None:
         found = [d for d in found if d[1] == device]
-    if not found:
-        store.close()
-        _fail(f"no measured trials of {device!r} in the database" if device else
-              "no measured trials in the database (the model's own are not fitted)")
-    path = output or calibration_path()
-    results = []
     try:
+        if not found:
+            _fail(f"no measured trials of {device!r} in the databases" if device else
+                  "no measured trials in the databases (the model's own are not fitted)")
+        path = output or calibration_path()
+        results = []
         for arch, name in found:
             with err_console.status(f"fitting {name} ({arch})"):
-                results.append(fit_device(store, arch, name, holdout_every))
+                results.append(fit_device(stores, arch, name, holdout_every))
             save(path, results[-1])
     except ValueError as exc:
         _fail(str(exc))
     finally:
-        store.close()
+        for store in stores:
+            store.close()
     if as_json:
         print(json.dumps([r.to_json() for r in results], indent=1))
         return
@@ -628,26 +636,32 @@ def calibrate(
     console.print(f"wrote {path}", highlight=False, soft_wrap=True)
 
 
-def _calibrate_quick(arch: str, path: Path, as_json: bool) -> None:
-    """`calibrate --quick`: probe the local GPU, store its entry at `path`."""
+def _calibrate_quick(arch: str, path: Path, as_json: bool, recorded: Path | None) -> None:
+    """`calibrate --quick`: probe the local GPU (or read figures it
+    recorded), store its entry at `path`."""
     from tuner.backends.calibration import quick_entry, save_entry
     from tuner.backends.model import read_calibrations
 
-    bk = _backend("gpu", arch)
+    if recorded is None:
+        bk = _backend("gpu", arch)
+        try:
+            driver, figures = bk.facts, bk.probe()
+        finally:
+            bk.close()
+    else:
+        driver, figures = _recorded_figures(recorded)
+    name = driver["name"]
     try:
-        figures = bk.probe()
-        entry, how = quick_entry(arch, bk.facts, figures, read_calibrations(path))
-        save_entry(path, bk.device_name, entry)
+        entry, how = quick_entry(arch, driver, figures, read_calibrations(path))
+        save_entry(path, name, entry)
     except ValueError as exc:
         _fail(str(exc))
-    finally:
-        bk.close()
     if as_json:
-        print(json.dumps({"device": bk.device_name, "path": str(path), "how": how, **entry}, indent=1))
+        print(json.dumps({"device": name, "path": str(path), "how": how, **entry}, indent=1))
         return
     facts = entry.get("facts", {})
-    console.print(f"{bk.device_name}: {bk.facts.get('sms')} SMs, L2 {bk.facts.get('l2_bytes', 0) / 2**20:.0f} MiB, "
-                  f"driver peak DRAM {bk.facts.get('hbm_bw') or 0:.3g} B/s", highlight=False)
+    console.print(f"{name}: {driver.get('sms')} SMs, L2 {(driver.get('l2_bytes') or 0) / 2**20:.0f} MiB, "
+                  f"driver peak DRAM {driver.get('hbm_bw') or 0:.3g} B/s", highlight=False)
     console.print(f"probe ({figures['seconds']:.0f} s): copy {figures['copy_gbps']:.0f} GB/s, "
                   f"bf16 {figures['mma_tflops']:.0f} TFLOP/s, launch {figures['launch_us']:.2f} us",
                   highlight=False)
@@ -656,6 +670,20 @@ def _calibrate_quick(arch: str, path: Path, as_json: bool) -> None:
                       f"DRAM {facts['hbm_bw'] / 1e12:.2f} TB/s", highlight=False)
     console.print(how, highlight=False, soft_wrap=True)
     console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+
+
+def _recorded_figures(path: Path) -> tuple[dict, dict]:
+    """(driver figures, probe figures) of a `calibrate --quick --json` output."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        _fail(f"{path}: not readable as JSON: {exc}")
+    for field, keys in (("driver", ("name",)), ("probe", ("copy_gbps", "mma_tflops", "launch_us", "seconds"))):
+        part = data.get(field) if isinstance(data, dict) else None
+        missing = [k for k in keys if not isinstance(part, dict) or k not in part]
+        if missing:
+            _fail(f"{path}: {field}.{missing[0]} missing: expected what `tuner calibrate --quick --json` prints")
+    return data["driver"], data["probe"]
 
 
 @app.command()

@@ -286,9 +286,10 @@ def fit(data: list[KeySample], base: DeviceModel) -> tuple[DeviceModel, int]:
     return replace(base, **x), evaluations
 
 
-def calibrate(store, arch: str, device: str, every: int = HOLDOUT_EVERY) -> Calibration:
-    """Fit `device`'s constants on its training families; score before and after."""
-    data = samples(store, arch, device)
+def calibrate(stores: list, arch: str, device: str, every: int = HOLDOUT_EVERY) -> Calibration:
+    """Fit `device`'s constants on its training families (the trials of
+    every store together); score before and after."""
+    data = [s for store in stores for s in samples(store, arch, device)]
     if not data:
         raise ValueError(f"no measured trials of {device} ({arch}) in the database")
     train, heldout = split(data, every)
@@ -338,10 +339,17 @@ def quick_entry(arch: str, driver: dict, probe: dict, calibrations: dict[str, di
     other device takes the constants of such a reference (how the pool's
     kernels behave on the arch: pipeline overheads, exposed shares) and the
     rates scaled by what the probe measured on both: DRAM bandwidth by the
-    copies' bandwidth, the clock by the tensor-core rate per SM, L2
-    bandwidth with the clock, launch cost by the launches'. Without a
-    reference: the arch's datasheet constants, with the rates the probe
-    measured taken as the ones the model's efficiencies reach.
+    DRAM's peak the drivers report (the copies' bandwidth where a driver
+    gives none), the clock by the tensor-core rate per SM, L2 bandwidth with
+    the clock, launch cost by the launches'. Without a reference: the arch's
+    datasheet constants, with the driver's DRAM peak (else the copies') and
+    the measured tensor-core rate taken as the rates the model's
+    efficiencies reach.
+
+    The DRAM peak rather than the copy because a GEMM reads: on the H200
+    against the H100 the copies ran 1.12x as fast, the pool's few-row
+    configs 1.37x and cuBLAS's 1.50x (medians over the same keys and
+    configs), the drivers' peaks being 1.44x apart.
     """
     name = driver["name"]
     mine = calibrations.get(name)
@@ -360,13 +368,16 @@ def quick_entry(arch: str, driver: dict, probe: dict, calibrations: dict[str, di
         ref_model = device_model(arch, ref_name)
         rp = ref["probe"]
         clock = ref_model.clock_hz * (probe["mma_tflops"] / sms) / (rp["mma_tflops"] / ref_model.sms)
-        facts |= {"hbm_bw": ref_model.hbm_bw * probe["copy_gbps"] / rp["copy_gbps"], "clock_hz": clock}
+        ref_peak = ref.get("driver", {}).get("hbm_bw")
+        dram = (driver["hbm_bw"] / ref_peak if driver.get("hbm_bw") and ref_peak
+                else probe["copy_gbps"] / rp["copy_gbps"])
+        facts |= {"hbm_bw": ref_model.hbm_bw * dram, "clock_hz": clock}
         constants = dict(ref["constants"])
         constants["l2_bw"] = ref_model.l2_bw * clock / ref_model.clock_hz
         constants["launch_us"] = ref_model.launch_us * probe["launch_us"] / rp["launch_us"]
         how = f"scaled from {ref_name}"
     else:
-        facts |= {"hbm_bw": probe["copy_gbps"] * 1e9 / base.hbm_efficiency,
+        facts |= {"hbm_bw": driver.get("hbm_bw") or probe["copy_gbps"] * 1e9 / base.hbm_efficiency,
                   "clock_hz": probe["mma_tflops"] * 1e12 / (sms * base.flops_per_clk_sm) / base.mma_efficiency}
         constants = {"launch_us": probe["launch_us"]}
         how = f"the {arch} datasheet model at the measured rates (no calibrated {arch} device)"

@@ -82,7 +82,7 @@ from kernels.space import (
 from tuner.key import Key, Problem
 from tuner.backends.measure import Measurement
 
-MODEL_VERSION = "5"
+MODEL_VERSION = "6"
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,20 @@ class DeviceModel:
     cta_start_us: float = 1.0          # CTA launch, barrier init, descriptor prefetch, exit
     epilogue_fixed_us: float = 0.5     # accumulators -> smem -> TMA store issue
     atomic_claim_us: float = 1.0       # global atomic round trip (dynamic_persistent)
+    # How a load path's latency (`load_latency_us` per `stages - 1` k-blocks)
+    # and its DRAM time (bytes at the bandwidth) combine: their p-norm with
+    # this p. 1 adds them (the stages in flight matter even where DRAM is
+    # the limit); large p takes the longer. On an H200 the few-row swap_ab
+    # configs read 88 MB at 90 % of the DRAM peak, where the sum left them
+    # 30 % short.
+    load_overlap: float = 1.0
+    # fp32 partial tiles (split-K, stream-K) go between the consumers'
+    # registers and L2 by plain loads and stores, not TMA: bytes per clock
+    # one SM moves that way (at most its share of L2). Priced at the SM's
+    # TMA rate, non-swap split-K on the H100's decode keys (64 x 256 fp32
+    # partials) ran 10 % slower than modelled while swap_ab's (128 x 16)
+    # matched.
+    partial_bytes_per_clk: float = 64.0
     clc_claim_us: float = 0.35         # try_cancel -> response in smem (clc)
     # Fraction of the epilogue the MMA pipe waits for when the accumulator has
     # a single buffer (all of sm90: accumulators in the consumers' registers;
@@ -145,10 +159,10 @@ class DeviceModel:
     # ...-tile-k-probe-*.json); a read-only kernel streamed the gate_up
     # weight at 2.49 TB/s in 128-byte runs and 2.78 in 256-byte ones.
     long_run_gain: float = 1.0
-    # Stream-K fixup of a shared tile, per contributing CTA: the fence that
-    # makes its partial visible, the acq_rel atomic on the tile's semaphore
-    # and the consumers' barrier around it. An unfitted guess: no stream-K
-    # trial has been measured, so it is not in CALIBRATION_BOUNDS.
+    # Fixup of a tile that split-K slices or stream-K units share, per
+    # contributing CTA: the fence that makes its partial visible, the
+    # acq_rel atomic on the tile's semaphore and the consumers' barrier
+    # around it. Fitted to the split-K trials (stream-K pays the same).
     semaphore_us: float = 1.0
     # (cluster size, clusters that run at once) where measured: a cluster
     # lives in one GPC, so this can be below sms // size, the fallback.
@@ -223,6 +237,9 @@ CALIBRATION_BOUNDS = {
     "epilogue_fixed_us": (0.05, 5.0),
     "epilogue_exposed": (0.05, 1.0),
     "atomic_claim_us": (0.1, 5.0),
+    "semaphore_us": (0.1, 5.0),
+    "load_overlap": (1.0, 6.0),
+    "partial_bytes_per_clk": (4.0, 256.0),
 }
 # Per-tile cost of the static scheduler's index arithmetic.
 STATIC_NEXT_US = 0.02
@@ -530,13 +547,13 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
     waiting = replace(plan, segments=tuple(replace(s, mainloop=s.waits) for s in plan.segments))
     us_w, _ = _schedule(waiting, p, cfg, device)
     hbm_us = sum(s.tiles * s.hbm_bytes for s in plan.segments) / _hbm_rate(device, cfg, p) * 1e6
-    us_m = us_w + hbm_us
+    us_m = _combine(us_w, hbm_us, device.load_overlap)
     us = max(us_c, us_m)
     if us_m > us_c:
         detail["bound"] = "hbm" if hbm_us > us_w else "latency"
     detail["hbm_us"] = round(hbm_us, 3)
     us += device.launch_us
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and cfg.arch == "sm100":
         us += _reduction_us(p, cfg, device)
     detail["split_k_reduction"] = cfg.split_k > 1
     return us / 1000.0, detail
@@ -641,28 +658,46 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     # (stages - 1) when DRAM is idle; DRAM shared by every SM adds its
     # queueing, the launch's bytes over its bandwidth (counted for the whole
     # launch in `_predict`, so a partial last wave gets the bandwidth the
-    # idle SMs leave). Per k-block: latency / (stages - 1) + bytes * SMs
-    # loading / bandwidth, a sum, not a maximum: on the H100's decode keys
-    # the stages in flight change the time even where DRAM is the limit.
+    # idle SMs leave). Per k-block: latency / (stages - 1) and bytes * SMs
+    # loading / bandwidth, combined by their `load_overlap`-norm (1: the
+    # sum; on the H100's decode keys the stages in flight change the time
+    # even where DRAM is the limit).
     waits = kblocks * dev.load_latency_us / (cfg.stages - 1)
     hbm_bytes = kblocks * (rows + cols) * tk * e * ratio
     # A share of the shorter of a tile's compute and load time (its DRAM
     # bytes at its share of the bandwidth) is not hidden behind the longer.
-    loads = waits + hbm_bytes / (cs * hbm_share) * 1e6
+    loads = _combine(waits, hbm_bytes / (cs * hbm_share) * 1e6, dev.load_overlap)
     exposed = dev.compute_exposed * mainloop if loads > mainloop else dev.load_exposed * loads
     mainloop += exposed
     waits += exposed
 
-    out_bytes = 4 if cfg.split_k > 1 else DTYPE_BYTES[p.dtype_out]
+    in_kernel = cfg.arch == "sm90"
+    out_bytes = 4 if cfg.split_k > 1 and not in_kernel else DTYPE_BYTES[p.dtype_out]
     c_bytes = min(cm, m) * min(cn, p.n) * out_bytes
     c_per_sm = c_bytes / cs
     epilogue = dev.epilogue_fixed_us + c_per_sm / min(sm_bw, hbm_share) * 1e6
     if cfg.arch == "sm90":
         epilogue += cfg.tile_n // epi_subtile_n(cfg) * EPI_SUBTILE_US
+    if in_kernel and cfg.split_k > 1:
+        # Every slice parks its whole fp32 CTA tile (rows past M included)
+        # and arrives on the tile's semaphore; the last to arrive reads the
+        # other slices' partials before it stores. The slices run at once,
+        # so a tile ends that much after its slices' mainloops. Measured on
+        # the H100's decode keys, pricing only the M rows that exist had
+        # non-swap split-K 13-30 % too fast against split_k 1.
+        write = _partial_us(dev, cfg.cta_tile_m * cfg.tile_n * ACC_BYTES, active_sms)
+        epilogue += cfg.split_k * write + dev.semaphore_us
     # The producer warp issues a tile's last load stages - 1 k-blocks before
     # the MMA consumes it: a depth-1 claim made then is answered meanwhile.
     lead = min(kblocks, cfg.stages - 1) * max(terms[bound], dev.load_latency_us / (cfg.stages - 1))
     return _Segment(count, mainloop, epilogue, lead, bound, waits, hbm_bytes + c_bytes)
+
+
+def _combine(latency: float, transfer: float, p: float) -> float:
+    """A load path's time from its latency and DRAM terms (`DeviceModel.load_overlap`)."""
+    if p == 1.0:
+        return latency + transfer
+    return (latency ** p + transfer ** p) ** (1.0 / p)
 
 
 def _hbm_rate(dev: DeviceModel, cfg: GemmConfig, p: Problem) -> float:
@@ -674,6 +709,11 @@ def _hbm_rate(dev: DeviceModel, cfg: GemmConfig, p: Problem) -> float:
 def _sm_l2_bw(dev: DeviceModel, active_sms: int) -> float:
     """L2 bandwidth one SM gets while `active_sms` SMs move data (bytes/s)."""
     return min(dev.sm_load_bytes_per_clk * dev.clock_hz, dev.l2_bw / active_sms)
+
+
+def _partial_us(dev: DeviceModel, nbytes: float, active_sms: int) -> float:
+    """Time one SM takes to park or read back an fp32 partial tile of `nbytes`."""
+    return nbytes / min(dev.partial_bytes_per_clk * dev.clock_hz, _sm_l2_bw(dev, active_sms)) * 1e6
 
 
 def _hbm_ratio(p, cfg, dev, m, k, concurrent) -> float:
@@ -833,7 +873,7 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
         per = plan.tiles * kblocks / plan.workers
         # Ranges start mid-tile: a tile has up to ceil(KI / per) + 1 contributors.
         sharing = min(plan.workers, math.ceil(kblocks / per) + 1)
-        write = partial / _sm_l2_bw(dev, plan.free_workers * cfg.cluster_size) * 1e6
+        write = _partial_us(dev, partial, plan.free_workers * cfg.cluster_size)
         fixup = 2 * (write + dev.semaphore_us) + (sharing - 1) * write if sharing > 1 else 0.0
         stores = per / kblocks + (1 if sharing > 1 else 0)
         cost = per * s.mainloop / kblocks + fixup + stores * exposed
@@ -845,8 +885,8 @@ def _stream_k(plan: _Plan, p: Problem, cfg: GemmConfig, dev: DeviceModel, start:
     free = _workers(plan.free_workers, held, start + lat, late_start)
     free = _greedy(free, plan.tiles - sk, s.mainloop + exposed + max(0.0, lat - s.lead - exposed))
     if sk:
-        write = partial / _sm_l2_bw(dev, min(sk * slices, plan.free_workers) * cfg.cluster_size) * 1e6
-        read = partial / _sm_l2_bw(dev, sk * cfg.cluster_size) * 1e6
+        write = _partial_us(dev, partial, min(sk * slices, plan.free_workers) * cfg.cluster_size)
+        read = _partial_us(dev, partial, sk * cfg.cluster_size)
         unit = s.mainloop / slices + write + dev.semaphore_us + max(0.0, lat - s.lead)
         free = _greedy(free, sk * (slices - 1), unit)
         free = _greedy(free, sk, unit + (slices - 1) * read + exposed)
@@ -962,15 +1002,8 @@ def _drain_phantoms(free: np.ndarray, phantoms: int, real: int, cfg: GemmConfig,
 
 
 def _reduction_us(p: Problem, cfg: GemmConfig, dev: DeviceModel) -> float:
-    """The split-K reduction.
-
-    sm90 reduces in the kernel: every slice but the last parks its fp32
-    partial and the last one reads them back, with no extra launch. sm100
-    runs a separate pass that reads every partial and writes the output.
-    """
-    if cfg.arch == "sm90":
-        moved = 2 * (cfg.split_k - 1) * p.m * p.n * 4
-        return moved / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
+    """sm100's split-K reduction: a separate pass reads every slice's fp32
+    partial and writes the output (sm90 reduces in the kernel: `_segment`)."""
     moved = cfg.split_k * p.m * p.n * 4 + p.m * p.n * DTYPE_BYTES[p.dtype_out]
     return dev.launch_us + moved / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
 
