@@ -138,8 +138,10 @@ def _tune_down_512(backend, tmp_path):
 
 
 def test_the_runner_up_tile_shapes_are_tried_under_neighbouring_clusters(tmp_path):
-    # Every 2x1 cluster 10 % faster than the model says.
-    backend = _Scaled(lambda c: (c.cluster_m, c.cluster_n) == (2, 1), 0.9)
+    # Every 2x1 cluster 10 % slower than the model says: the model's first
+    # picks put the runner-up shapes on 2x1 clusters, where a neighbouring
+    # cluster shape then wins.
+    backend = _Scaled(lambda c: (c.cluster_m, c.cluster_n) == (2, 1), 1.1)
     key, tried, ms, finalists = _tune_down_512(backend, tmp_path)
     leaders = {}
     for cfg in sorted(tried[:12], key=ms.get):
