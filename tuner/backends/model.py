@@ -9,7 +9,8 @@ A prediction has three layers:
    tiles are less efficient) and L2 -> SM traffic (cluster multicast shares
    A along cluster N and B along cluster M). The load path is Little's law
    with a load-dependent latency: `stages - 1` k-blocks in flight cover the
-   unloaded latency, and DRAM queueing adds the launch's HBM bytes (L2 reuse
+   unloaded latency, and DRAM queueing joins it (a fitted p-norm,
+   `load_overlap`) with the launch's HBM bytes (L2 reuse
    within a wave of concurrently running tiles, set by raster order and
    swizzle) over the chip's bandwidth, counted once for the whole launch
    because the SMs share it (so a partial last wave of a load-bound launch
@@ -41,7 +42,8 @@ A prediction has three layers:
 3. The launch: kernel launch overhead, SMs held by another kernel
    (`Problem.carveout`, seed 003), phantom clusters of a worst-case padded
    CLC or single-tile grid (seed 002) with or without tail cancellation, and
-   the split-K reduction pass.
+   sm100's split-K reduction pass (sm90's slices reduce in the kernel: each
+   parks its whole fp32 CTA tile, the last reads them back).
 
 Scheduler semantics modelled (the kernels must match them):
 - `sched_depth` is the number of claims in flight. Depth 1 claims the next
@@ -133,16 +135,17 @@ class DeviceModel:
     # How a load path's latency (`load_latency_us` per `stages - 1` k-blocks)
     # and its DRAM time (bytes at the bandwidth) combine: their p-norm with
     # this p. 1 adds them (the stages in flight matter even where DRAM is
-    # the limit); large p takes the longer. On an H200 the few-row swap_ab
-    # configs read 88 MB at 90 % of the DRAM peak, where the sum left them
-    # 30 % short.
+    # the limit); large p takes the longer. The H100 fit takes p = 2; with
+    # its constants and the sum, an H200's few-row swap_ab configs on an
+    # 88 MB weight would be predicted 46-57 % slower than measured, with
+    # the norm 11-17 %.
     load_overlap: float = 1.0
     # fp32 partial tiles (split-K, stream-K) go between the consumers'
     # registers and L2 by plain loads and stores, not TMA: bytes per clock
     # one SM moves that way (at most its share of L2). Priced at the SM's
     # TMA rate, non-swap split-K on the H100's decode keys (64 x 256 fp32
-    # partials) ran 10 % slower than modelled while swap_ab's (128 x 16)
-    # matched.
+    # partials) ran 9-15 % slower than modelled, swap_ab's (128 x 16)
+    # within 5 %.
     partial_bytes_per_clk: float = 64.0
     clc_claim_us: float = 0.35         # try_cancel -> response in smem (clc)
     # Fraction of the epilogue the MMA pipe waits for when the accumulator has
@@ -684,7 +687,7 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
         # other slices' partials before it stores. The slices run at once,
         # so a tile ends that much after its slices' mainloops. Measured on
         # the H100's decode keys, pricing only the M rows that exist had
-        # non-swap split-K 13-30 % too fast against split_k 1.
+        # non-swap split-K 12-30 % too fast against split_k 1.
         write = _partial_us(dev, cfg.cta_tile_m * cfg.tile_n * ACC_BYTES, active_sms)
         epilogue += cfg.split_k * write + dev.semaphore_us
     # The producer warp issues a tile's last load stages - 1 k-blocks before
