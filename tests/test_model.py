@@ -160,6 +160,25 @@ def test_split_k_wins_for_small_m_long_k_narrow_n(arch, m, k):
     assert min(t(s) for s in (2, 4, 8)) < 0.8 * t(1)
 
 
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_sm90_split_k_slices_park_whole_fp32_tiles(tile_n):
+    """An sm90 slice parks its whole CTA tile, rows past M included, and the
+    last reads the others back: halving the partials' rate costs a split-K
+    config the same at M = 1 as at M = 16, more for a wider tile, and costs
+    split_k 1 nothing."""
+    slow = replace(H100, partial_bytes_per_clk=H100.partial_bytes_per_clk / 2)
+
+    def cost(m, split):
+        cfg = sm90("single_tile", tile_m=64, tile_n=tile_n, split_k=split)
+        p = Problem(m=m, n=1024, k=4096)  # one wave of slices
+        return predict_ms(p, cfg, slow) - predict_ms(p, cfg, H100)
+
+    assert cost(16, 1) == 0
+    assert cost(1, 8) == pytest.approx(cost(16, 8)) and cost(16, 8) > cost(16, 2) > 0
+    partial = 64 * tile_n * 4 / (H100.partial_bytes_per_clk * H100.clock_hz)
+    assert cost(16, 8) * 1e-3 == pytest.approx(8 * partial, rel=0.01)
+
+
 def test_split_k_does_not_help_large_m():
     p = Problem(m=8192, n=8192, k=4096)
     assert predict_ms(p, sm90("static_persistent", split_k=4)) > predict_ms(p, sm90("static_persistent"))
