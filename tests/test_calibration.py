@@ -246,3 +246,18 @@ def test_quick_calibration_rebuilds_an_entry_from_recorded_figures(tmp_path, mon
     assert cal_file.read_text() == before
     proc = calibrate("unused.db", cal_file, "--figures", str(recorded))
     assert proc.returncode == 2 and "--figures goes with --quick" in proc.stdout
+
+
+def test_a_fit_in_several_processes_is_the_fit_of_one(small_db, monkeypatch):
+    """Moves are evaluated a batch at a time and the first that gains taken:
+    the constants and the evaluation count do not depend on the processes."""
+    import tuner.backends.calibration as cal
+
+    monkeypatch.setattr(cal, "MAX_EVALUATIONS", 120)
+    store = Store(str(small_db), writer=False)
+    data = cal.samples(store, "sm90", DEVICE)
+    store.close()
+    one, n_one = cal.fit(data, H100, workers=1)
+    three, n_three = cal.fit(data, H100, workers=3)
+    assert n_one == n_three >= 120
+    assert one == three and one != H100

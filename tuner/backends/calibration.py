@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import tempfile
 from dataclasses import asdict, dataclass, replace
@@ -79,6 +80,8 @@ NOISE = 0.01
 # e^0.02 (2 %).
 FIRST_STEP, LAST_STEP = 0.7, 0.02
 MAX_EVALUATIONS = 6000
+# Most processes a fit evaluates moves in (`fit_workers`).
+FIT_WORKERS = 16
 # Rank metrics need a key with at least this many measured configs.
 MIN_CONFIGS = 3
 
@@ -248,18 +251,12 @@ def score(data: list[KeySample], device: DeviceModel) -> Score:
     )
 
 
-def fit(data: list[KeySample], base: DeviceModel) -> tuple[DeviceModel, int]:
+def fit(data: list[KeySample], base: DeviceModel, workers: int | None = None) -> tuple[DeviceModel, int]:
     """`base` with the calibrated constants fitted to `data`; and how many
-    times the model was evaluated over the data."""
+    times the model was evaluated over the data (as a search of one process
+    would: `workers` processes evaluate the next moves at once and take the
+    first in order that gains, so the fit is the same for any number)."""
     x = {name: _clip(name, float(getattr(base, name))) for name in CALIBRATION_BOUNDS}
-    evaluations = 0
-
-    def loss(values: dict[str, float]) -> float:
-        nonlocal evaluations
-        evaluations += 1
-        return _loss(data, replace(base, **values))
-
-    best = loss(x)
     names = list(CALIBRATION_BOUNDS)
     singles = [{name: d} for name in names for d in (1.0, -1.0)]
     # Constants that trade off against each other (MMA efficiency against
@@ -267,23 +264,75 @@ def fit(data: list[KeySample], base: DeviceModel) -> tuple[DeviceModel, int]:
     # diagonal valleys where no single move gains; pairs are tried there.
     pairs = [{a: da, b: db} for i, a in enumerate(names) for b in names[i + 1:]
              for da in (1.0, -1.0) for db in (1.0, -1.0)]
-    step = FIRST_STEP
-    while step >= LAST_STEP and evaluations < MAX_EVALUATIONS:
-        improved = False
-        for moves in (singles, pairs):
-            for move in moves:
-                trial = {**x, **{n: _clip(n, x[n] * math.exp(d * step)) for n, d in move.items()}}
-                if trial == x:
-                    continue
-                candidate = loss(trial)
-                if candidate < best:
-                    x, best, improved = trial, candidate, True
+    with _Losses(data, base, workers or fit_workers()) as losses:
+        (best,) = losses.evaluate([x])
+        evaluations = 1
+        step = FIRST_STEP
+        while step >= LAST_STEP and evaluations < MAX_EVALUATIONS:
+            improved = False
+            for moves in (singles, pairs):
+                trials = [t for t in ({**x, **{n: _clip(n, x[n] * math.exp(d * step)) for n, d in move.items()}}
+                                      for move in moves) if t != x]
+                found, evaluations = losses.first_below(trials, best, evaluations)
+                if found is not None:
+                    x, best = trials[found[0]], found[1]
+                    improved = True
+                if improved or evaluations >= MAX_EVALUATIONS:
                     break
-            if improved or evaluations >= MAX_EVALUATIONS:
-                break
-        if not improved:
-            step /= 2
+            if not improved:
+                step /= 2
     return replace(base, **x), evaluations
+
+
+def fit_workers() -> int:
+    """Processes a fit evaluates the model in: the host's cores, at most FIT_WORKERS."""
+    return max(1, min(os.cpu_count() or 1, FIT_WORKERS))
+
+
+# What the fit's worker processes evaluate (set before they fork).
+_FORKED: tuple[list[KeySample], DeviceModel] | None = None
+
+
+def _forked_loss(values: dict[str, float]) -> float:
+    data, base = _FORKED
+    return _loss(data, replace(base, **values))
+
+
+class _Losses:
+    """The fit's loss over `data` for sets of constants, in `workers` forked
+    processes (in this one when 1)."""
+
+    def __init__(self, data: list[KeySample], base: DeviceModel, workers: int):
+        self.data, self.base, self.workers = data, base, workers
+        self.pool = None
+
+    def __enter__(self):
+        global _FORKED
+        if self.workers > 1:
+            _FORKED = (self.data, self.base)
+            self.pool = multiprocessing.get_context("fork").Pool(self.workers)
+        return self
+
+    def __exit__(self, *exc):
+        global _FORKED
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+        _FORKED = None
+
+    def evaluate(self, trials: list[dict[str, float]]) -> list[float]:
+        if self.pool is None:
+            return [_loss(self.data, replace(self.base, **t)) for t in trials]
+        return self.pool.map(_forked_loss, trials)
+
+    def first_below(self, trials: list[dict[str, float]], best: float, evaluations: int):
+        """((index, loss) of the first of `trials` whose loss is below `best`,
+        or None; the evaluation count a one-by-one search would reach)."""
+        for start in range(0, len(trials), self.workers):
+            for i, value in enumerate(self.evaluate(trials[start:start + self.workers]), start):
+                if value < best:
+                    return (i, value), evaluations + i + 1
+        return None, evaluations + len(trials)
 
 
 def calibrate(stores: list, arch: str, device: str, every: int = HOLDOUT_EVERY) -> Calibration:
