@@ -48,9 +48,6 @@ from kernels.space import (
 # free of cutlass. Another arch registers itself with `register_kernel`.
 _KERNEL_CLASSES = {"sm90": "kernels.sm90.gemm:Sm90GemmKernel", "sm100": "kernels.sm100.gemm:Sm100GemmKernel"}
 _TARGETS = {"sm90": "sm_90a", "sm100": "sm_100a"}
-# Archs whose kernels reduce split-K slices themselves, in a scratch buffer;
-# the others write fp32 partials (S, M, N) that the runner sums.
-_SPLIT_K_IN_KERNEL = ("sm90",)
 # Grouped kernel class per arch (`kernels.grouped` forms: "rows", "k").
 _GROUPED_CLASSES = {
     "sm90": "kernels.sm90.grouped:Sm90GroupedGemmKernel",
@@ -105,7 +102,7 @@ class Variant:
     @property
     def workspace(self) -> bool:
         """Split-K writes fp32 partials (S, M, N) instead of `out`."""
-        return self.cfg.split_k > 1 and self.cfg.arch not in _SPLIT_K_IN_KERNEL
+        return self.cfg.split_k > 1 and not self.cfg.split_k_in_kernel
 
     @property
     def scratch(self) -> bool:
@@ -113,7 +110,7 @@ class Variant:
 
         Stream-K does on every arch: its units end anywhere in K, so there
         are no whole slices for a runner to sum."""
-        return self.cfg.stream_k or self.cfg.split_k > 1 and self.cfg.arch in _SPLIT_K_IN_KERNEL
+        return self.cfg.stream_k or self.cfg.split_k_in_kernel
 
     def key(self) -> str:
         key = f"{self.cfg.name()}-{self.dtype_in}-{self.dtype_out}-{self.layout}"

@@ -91,6 +91,9 @@ SM90_REG_BUDGETS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
 # for stream-K (unit u parks in slot u, and a launch has at most two units
 # a cluster: `StreamKScheduler`).
 SPLIT_K_COUNTERS = 2
+# Archs whose kernels reduce split-K slices themselves, in a scratch buffer;
+# the others write fp32 partials (S, M, N) that the runner sums.
+SPLIT_K_IN_KERNEL = ("sm90",)
 _SPLIT_K_PARTIALS_ALIGN = 32
 # Activation rows a swap_ab tile holds at most (its tile_n).
 SWAP_AB_MAX_ROWS = 128
@@ -252,6 +255,12 @@ class GemmConfig:
     def reduces_partials(self) -> bool:
         """Whether CTAs share tiles and reduce fp32 partials (split-K, stream-K)."""
         return self.split_k > 1 or self.stream_k
+
+    @property
+    def split_k_in_kernel(self) -> bool:
+        """Whether split-K slices reduce their partials in the kernel (sm90),
+        rather than a pass summing the (S, M, N) fp32 slices (sm100)."""
+        return self.split_k > 1 and self.arch in SPLIT_K_IN_KERNEL
 
     @property
     def cta_tile_m(self) -> int:

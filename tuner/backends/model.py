@@ -556,7 +556,7 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
         detail["bound"] = "hbm" if hbm_us > us_w else "latency"
     detail["hbm_us"] = round(hbm_us, 3)
     us += device.launch_us
-    if cfg.split_k > 1 and cfg.arch == "sm100":
+    if cfg.split_k > 1 and not cfg.split_k_in_kernel:
         us += _reduction_us(p, cfg, device)
     detail["split_k_reduction"] = cfg.split_k > 1
     return us / 1000.0, detail
@@ -674,14 +674,13 @@ def _segment(p, cfg, dev, m, k, count, active_sms, concurrent) -> _Segment:
     mainloop += exposed
     waits += exposed
 
-    in_kernel = cfg.arch == "sm90"
-    out_bytes = 4 if cfg.split_k > 1 and not in_kernel else DTYPE_BYTES[p.dtype_out]
+    out_bytes = 4 if cfg.split_k > 1 and not cfg.split_k_in_kernel else DTYPE_BYTES[p.dtype_out]
     c_bytes = min(cm, m) * min(cn, p.n) * out_bytes
     c_per_sm = c_bytes / cs
     epilogue = dev.epilogue_fixed_us + c_per_sm / min(sm_bw, hbm_share) * 1e6
     if cfg.arch == "sm90":
         epilogue += cfg.tile_n // epi_subtile_n(cfg) * EPI_SUBTILE_US
-    if in_kernel and cfg.split_k > 1:
+    if cfg.split_k_in_kernel:
         # Every slice parks its whole fp32 CTA tile (rows past M included)
         # and arrives on the tile's semaphore; the last to arrive reads the
         # other slices' partials before it stores. The slices run at once,
@@ -1005,8 +1004,9 @@ def _drain_phantoms(free: np.ndarray, phantoms: int, real: int, cfg: GemmConfig,
 
 
 def _reduction_us(p: Problem, cfg: GemmConfig, dev: DeviceModel) -> float:
-    """sm100's split-K reduction: a separate pass reads every slice's fp32
-    partial and writes the output (sm90 reduces in the kernel: `_segment`)."""
+    """The split-K reduction pass of an arch that does not reduce in the
+    kernel (sm100): it reads every slice's fp32 partial and writes the
+    output (sm90's slices reduce in the kernel: `_segment`)."""
     moved = cfg.split_k * p.m * p.n * 4 + p.m * p.n * DTYPE_BYTES[p.dtype_out]
     return dev.launch_us + moved / (dev.hbm_bw * dev.hbm_efficiency) * 1e6
 
