@@ -86,7 +86,7 @@ def tune(
     seconds: Optional[float] = typer.Option(None, min=1, help="Time budget per key, in seconds."),
     budget_s: Optional[float] = typer.Option(
         None, "--budget-s", min=1,
-        help="Time budget of the whole tune, in seconds: families share it, the largest first; "
+        help="Time budget of the whole tune, in seconds: families share it, the smallest first; "
              "those it does not reach stay on cuBLAS."),
     ladder: bool = typer.Option(
         True, help="Also tune every power of two of M up to each family's largest, then measure "
