@@ -85,7 +85,7 @@ RUNG_MODEL_PICKS = 2
 SETTLED_MARGIN = 1.03
 # A family tuned under a deadline (`Budget.until`) keeps this share of its
 # time for validation: on an H100, validation took 15-56 % (median 38 %) of
-# the time of the families of Gemma 3 27B and Llama 3.1 8B tuned in 150 s.
+# the time of the families of Gemma 3 27B and Llama 3.1 8B tuned in 150-168 s.
 MAP_SHARE = 0.35
 # Under a deadline a family starts only with this share of an equal share
 # of the whole budget left (`tune_families`).
