@@ -632,6 +632,37 @@ def test_a_deadline_leaves_rungs_and_then_families_out_and_says_so(tmp_path):
     assert all(not o.unreached for _, s, o in heard if s == "done") and len([s for _, s, _ in heard if s == "done"]) == 3
 
 
+def test_a_deadline_does_not_start_a_family_whose_validation_cannot_fit(tmp_path, monkeypatch):
+    """The families validated first predict the next one's validation from
+    its modelled GEMM time; one whose validation would not fit the time
+    left stays on cuBLAS (half an equal share would have started it)."""
+    import time
+
+    from tuner.search import ladder
+    from tuner.search.ladder import FamilyOutcome, expected_validation, tune_families
+
+    model = ModelBackend("sm90", bulk=False)
+    fams = [(f"f{n}", [Key("sm90", model.device_name, Problem(m, n, 4096)) for m in (1, 512)])
+            for n in (1024, 2048, 131072)]
+    ms = {name: ladder._gemm_ms(keys) for name, keys in fams}
+
+    def validating(keys, *args, **kwargs):
+        # 2 s of validation per modelled ms, reported, not spent.
+        return FamilyOutcome({}, [], True, {"map": 2.0 * ladder._gemm_ms(keys)})
+
+    monkeypatch.setattr(ladder, "tune_family", validating)
+    heard = []
+    started = time.monotonic()
+    budget_s = 4 * ms["f1024"] + 4 * ms["f2048"] + 1.0
+    assert 2.0 * ms["f131072"] > budget_s
+    tune_families(fams, model, Store(str(tmp_path / "t.db")), Budget(trials=4, until=started + budget_s),
+                  on_family=lambda name, state, outcome: heard.append((name, state)))
+    assert [s for n, s in heard if n == "f131072"] == ["unreached"]
+    assert ("f1024", "done") in heard and ("f2048", "done") in heard
+    assert expected_validation([], fams[0][1]) == 0.0
+    assert expected_validation([(2.0, 1.0), (8.0, 1.0), (4.0, 1.0)], fams[0][1]) == pytest.approx(4.0 * ms["f1024"])
+
+
 def test_a_measured_family_compiles_its_keys_candidates_ahead_and_a_rerun_nothing(tmp_path):
     from tuner.search.study import first_configs
 

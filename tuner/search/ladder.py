@@ -340,13 +340,16 @@ def tune_families(
         pending.sort(key=lambda item: _gemm_ms(item[1]))
     # A family's seeds and validation are measured however late it is, so
     # under a deadline one starts only with MIN_FAMILY_SHARE of an equal
-    # share of the whole budget left: the tune ends near its deadline.
+    # share of the whole budget left, and only if the validation the
+    # families done so far predict for it fits: the tune ends near its
+    # deadline.
     least = MIN_FAMILY_SHARE * budget.left() / max(1, len(pending))
+    validated: list[tuple[float, float]] = []
     while pending:
         took = False
         for item in list(pending):
             name, keys = item
-            if budget.left() < least:
+            if budget.until is not None and budget.left() < max(least, expected_validation(validated, keys)):
                 # Out of time: the families not started stay on cuBLAS.
                 if on_family:
                     on_family(name, "unreached", None)
@@ -368,6 +371,8 @@ def tune_families(
                 if on_family:
                     on_family(name, "lost", None)
             else:
+                if outcome.validated:
+                    validated.append((outcome.seconds.get("map", 0.0), _gemm_ms(keys)))
                 if on_family:
                     on_family(name, "done" if outcome.tuned or outcome.validated else "current", outcome)
             finally:
@@ -378,6 +383,20 @@ def tune_families(
             if on_family:
                 on_family(pending[0][0], "wait", None)
             time.sleep(WAIT_S)
+
+
+def expected_validation(validated: Sequence[tuple[float, float]], keys: Sequence[Key]) -> float:
+    """Seconds the validation of the family of `keys` is expected to take,
+    from (validation seconds, modelled GEMM ms) of the families validated
+    before it in the run: their median seconds per modelled ms, times its
+    modelled ms (0 before any). Validation times cuBLAS and a few candidates
+    at some 40 points, so it scales with the family's GEMM time: on an H100,
+    2-8 s per modelled ms (Llama 3.1 8B's lm_head: 50 s of the 88 s it took
+    when it was given 32 s)."""
+    if not validated:
+        return 0.0
+    rates = sorted(seconds / max(ms, 1e-6) for seconds, ms in validated)
+    return rates[len(rates) // 2] * _gemm_ms(keys)
 
 
 def _gemm_ms(keys: Sequence[Key]) -> float:
