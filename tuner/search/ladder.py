@@ -388,8 +388,8 @@ def tune_families(
 def expected_validation(validated: Sequence[tuple[float, float]], keys: Sequence[Key]) -> float:
     """Seconds the validation of the family of `keys` is expected to take,
     from (validation seconds, modelled GEMM ms) of the families validated
-    before it in the run: their median seconds per modelled ms, times its
-    modelled ms (0 before any). Validation times cuBLAS and a few candidates
+    before it in the run: their median seconds per modelled ms (the upper
+    middle one of an even count), times its modelled ms (0 before any). Validation times cuBLAS and a few candidates
     at some 40 points, so it scales with the family's GEMM time: on an H100,
     2-8 s per modelled ms (Llama 3.1 8B's lm_head: 50 s of the 88 s it took
     when it was given 32 s)."""
