@@ -659,8 +659,8 @@ def test_a_deadline_does_not_start_a_family_whose_validation_cannot_fit(tmp_path
                   on_family=lambda name, state, outcome: heard.append((name, state)))
     assert [s for n, s in heard if n == "f131072"] == ["unreached"]
     assert ("f1024", "done") in heard and ("f2048", "done") in heard
-    assert expected_validation([], fams[0][1]) == 0.0
-    assert expected_validation([(2.0, 1.0), (8.0, 1.0), (4.0, 1.0)], fams[0][1]) == pytest.approx(4.0 * ms["f1024"])
+    assert expected_validation([], ms["f1024"]) == 0.0
+    assert expected_validation([(2.0, 1.0), (8.0, 1.0), (4.0, 1.0)], ms["f1024"]) == pytest.approx(4.0 * ms["f1024"])
 
 
 def test_a_measured_family_compiles_its_keys_candidates_ahead_and_a_rerun_nothing(tmp_path):

@@ -329,15 +329,17 @@ def tune_families(
     "done" and "current"."""
     owner = owner_id()
     ttl = lease_ttl_s or LEASE_TTL_S
-    pending = list(families)
-    if budget.until is not None:
+    deadline = budget.until is not None
+    # (name, keys, modelled GEMM ms): the order and start rule under a deadline.
+    pending = [(name, keys, _gemm_ms(keys) if deadline else 0.0) for name, keys in families]
+    if deadline:
         # The families holding the least GEMM time first: they need less than
         # an equal share and leave the rest to the costlier ones, whose seeds
         # and validation would otherwise eat the small ones' time (H100,
         # largest first in 150-168 s: Gemma 3 27B's o and Llama 3.1 8B's
         # q+o and k+v projections, the families that gain most, left on
         # cuBLAS with 10-20 s of the budget unspent).
-        pending.sort(key=lambda item: _gemm_ms(item[1]))
+        pending.sort(key=lambda item: item[2])
     # A family's seeds and validation are measured however late it is, so
     # under a deadline one starts only with MIN_FAMILY_SHARE of an equal
     # share of the whole budget left, and only if the validation the
@@ -348,8 +350,8 @@ def tune_families(
     while pending:
         took = False
         for item in list(pending):
-            name, keys = item
-            if budget.until is not None and budget.left() < max(least, expected_validation(validated, keys)):
+            name, keys, gemm_ms = item
+            if deadline and budget.left() < max(least, expected_validation(validated, gemm_ms)):
                 # Out of time: the families not started stay on cuBLAS.
                 if on_family:
                     on_family(name, "unreached", None)
@@ -371,8 +373,8 @@ def tune_families(
                 if on_family:
                     on_family(name, "lost", None)
             else:
-                if outcome.validated:
-                    validated.append((outcome.seconds.get("map", 0.0), _gemm_ms(keys)))
+                if deadline and outcome.validated:
+                    validated.append((outcome.seconds["map"], gemm_ms))
                 if on_family:
                     on_family(name, "done" if outcome.tuned or outcome.validated else "current", outcome)
             finally:
@@ -385,18 +387,19 @@ def tune_families(
             time.sleep(WAIT_S)
 
 
-def expected_validation(validated: Sequence[tuple[float, float]], keys: Sequence[Key]) -> float:
-    """Seconds the validation of the family of `keys` is expected to take,
-    from (validation seconds, modelled GEMM ms) of the families validated
-    before it in the run: their median seconds per modelled ms (the upper
-    middle one of an even count), times its modelled ms (0 before any). Validation times cuBLAS and a few candidates
+def expected_validation(validated: Sequence[tuple[float, float]], gemm_ms: float) -> float:
+    """Seconds the validation of a family of `gemm_ms` modelled GEMM time
+    (`_gemm_ms`) is expected to take, from (validation seconds, modelled
+    GEMM ms) of the families validated before it in the run: their median
+    seconds per modelled ms (the upper middle one of an even count), times
+    `gemm_ms` (0 before any). Validation times cuBLAS and a few candidates
     at some 40 points, so it scales with the family's GEMM time: on an H100,
     2-8 s per modelled ms (Llama 3.1 8B's lm_head: 50 s of the 88 s it took
     when it was given 32 s)."""
     if not validated:
         return 0.0
     rates = sorted(seconds / max(ms, 1e-6) for seconds, ms in validated)
-    return rates[len(rates) // 2] * _gemm_ms(keys)
+    return rates[len(rates) // 2] * gemm_ms
 
 
 def _gemm_ms(keys: Sequence[Key]) -> float:
