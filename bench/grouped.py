@@ -64,6 +64,11 @@ SEED000_TILES = (
     dict(tile_m=128, tile_n=192),
     dict(tile_m=128, tile_n=192, cluster_m=2),
     dict(tile_m=128, tile_n=192, cluster_n=2),
+    # Each group's K in two slices (reduced in the kernel): the long groups'
+    # 128 x 256 tiles become twice as many units, enough to fill the device,
+    # and a wide tile reads fewer operand bytes per MMA than 128 x 128.
+    dict(tile_m=128, tile_n=256, cluster_m=2, split_k=2),
+    dict(tile_m=128, tile_n=256, split_k=2),
 )
 # (experts, routed rows, N, K): up and down projections of two MoE sizes.
 MOE_KEYS = [

@@ -174,7 +174,10 @@ def _fake_grouped(v: Variant, row_major, dtypes, m, n, k):
         b = row_major(din, (n, k) if v.layout == "tn" else (k, n))
         out = row_major(dout, (g, m, n))
     offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
-    sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
+    if v.scratch:
+        sched_buf = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=16)
+    else:
+        sched_buf = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     if v.trace:
         return b, out, offs, sched_buf, cutlass.Int32(1), _fake_records(), stream
@@ -532,11 +535,11 @@ class _SplitKScratch:
         self.captured: dict[int, object] = {}
         self._outgrown: list = []  # held only so that no graph's buffer is freed
 
-    def for_problem(self, device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int):
+    def for_problem(self, device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int, groups: int = 1):
         import torch
 
-        words = split_k_scratch_words(cfg, m, n, clusters)
-        tiles = split_k_tiles(cfg, m, n)
+        words = split_k_scratch_words(cfg, m, n, clusters, groups)
+        tiles = split_k_tiles(cfg, m, n, groups)
         if torch.cuda.is_current_stream_capturing():
             buf = self.captured.get(tiles)
             if buf is None or buf.numel() < words:
@@ -606,11 +609,11 @@ def _side_stream(device):
 _split_k_scratch: dict[tuple[int, int], _SplitKScratch] = {}
 
 
-def _scratch_buf(device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int):
+def _scratch_buf(device_index: int, cfg: GemmConfig, m: int, n: int, clusters: int, groups: int = 1):
     import torch
 
     key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
-    return _split_k_scratch.setdefault(key, _SplitKScratch()).for_problem(device_index, cfg, m, n, clusters)
+    return _split_k_scratch.setdefault(key, _SplitKScratch()).for_problem(device_index, cfg, m, n, clusters, groups)
 
 
 class _Runner:
@@ -648,7 +651,8 @@ class _GroupedRunner:
 
     "rows": a (total_M, K), b (G, N, K) or (G, K, N), out (total_M, N).
     "k": a (M, sum K), b (N, sum K) or (sum K, N), out (G, M, N); every
-    group's K a multiple of 64. `offs` (int32, G) stays on the device.
+    group's K a multiple of 64 (and of 64 x split_k). `offs` (int32, G)
+    stays on the device.
     """
 
     def __init__(self, fn, v: Variant, device_index: int, sm_budget: int = 0):
@@ -658,6 +662,7 @@ class _GroupedRunner:
         self._device = device_index
         self._max_clusters = _launch_clusters(device_index, v.cfg, sm_budget)
         self._max_groups = MAX_GROUPS
+        self._scratch = v.scratch
         self.variant = v
 
     def __call__(self, a, b, offs, out, *records) -> None:
@@ -666,7 +671,12 @@ class _GroupedRunner:
             raise TypeError("a traced kernel takes a record buffer after out; an untraced one none")
         if not 0 < offs.shape[0] <= self._max_groups:
             raise InvalidConfig(f"{offs.shape[0]} groups; the grouped kernels take 1 to {self._max_groups}")
-        self._fn(a, b, out, offs, _sched_buf(self._device), self._max_clusters, *records)
+        if self._scratch:  # split-K of the "k" form: out is (G, M, N)
+            buf = _scratch_buf(self._device, self.variant.cfg, out.shape[1], out.shape[2], self._max_clusters,
+                               out.shape[0])
+        else:
+            buf = _sched_buf(self._device)
+        self._fn(a, b, out, offs, buf, self._max_clusters, *records)
 
 
 def get_kernel(cfg: GemmConfig, *, dtype_in: str, dtype_out: str, layout: str, grouped: str = "",

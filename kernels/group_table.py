@@ -34,9 +34,11 @@ class GroupTable:
     first row (or k); `heavy[0]` counts the heavy groups' tiles.
     """
 
-    def __init__(self, form: str, storage, groups, clusters_m, clusters_n, cluster_rows: int):
+    def __init__(self, form: str, storage, groups, clusters_m, clusters_n, cluster_rows: int, split: int = 1):
         entries = cute.make_layout(MAX_GROUPS + 1)
         self.form = form
+        # K slices of a "k"-form group's tiles (split-K): each its own work.
+        self.split = split
         self.bounds = storage.bounds.get_tensor(entries)
         self.starts = storage.starts.get_tensor(entries)
         # One byte per group (MAX_GROUPS = 256) keeps the table inside the
@@ -72,7 +74,7 @@ class GroupTable:
             if const_expr(self.form == "rows"):
                 cm = (cutlass.max(hi - lo, 0) + (self.cluster_rows - 1)) // self.cluster_rows
                 heavy = live & (cm * self.cluster_rows > LIGHT_ROWS)
-            cnt = cutlass.select_(live, cm * self.clusters_n, Int32(0))
+            cnt = cutlass.select_(live, cm * self.clusters_n * self.split, Int32(0))
             per_group.append((g, live, heavy, lo, cnt))
             one_if_heavy = cutlass.select_(heavy, Int32(1), Int32(0))
             heavy_groups += one_if_heavy
@@ -134,7 +136,9 @@ class GroupTable:
 
 
 class GroupedTileScheduler(TileScheduler):
-    """`TileScheduler` over a `GroupTable`: tiles are (m within the group, n, group)."""
+    """`TileScheduler` over a `GroupTable`: tiles are (m within the group, n,
+    group); with K slices, the third is group * slices + slice, the slices of
+    a group following one another as batches do."""
 
     def __new_from_mlir_values__(self, values: list) -> "GroupedTileScheduler":
         base = super().__new_from_mlir_values__(values)
@@ -152,6 +156,6 @@ class GroupedTileScheduler(TileScheduler):
     def _work(self) -> WorkTile:
         table = self.grid
         g, local = table.locate(self._idx)
-        sub = TileGrid(table.clusters_m_of(g), table.clusters_n, Int32(1))
-        cl_m, cl_n, _ = decode_tile(local, sub, self.spec.swizzle, self.spec.raster_m)
-        return WorkTile(self._cta_tile(cl_m, cl_n, g), self._idx < table.count)
+        sub = TileGrid(table.clusters_m_of(g), table.clusters_n, Int32(table.split))
+        cl_m, cl_n, s = decode_tile(local, sub, self.spec.swizzle, self.spec.raster_m)
+        return WorkTile(self._cta_tile(cl_m, cl_n, g * table.split + s), self._idx < table.count)

@@ -439,20 +439,20 @@ def split_k_partials_offset(tiles):
     return (SPLIT_K_COUNTERS + tiles + _SPLIT_K_PARTIALS_ALIGN - 1) // _SPLIT_K_PARTIALS_ALIGN * _SPLIT_K_PARTIALS_ALIGN
 
 
-def split_k_tiles(cfg: GemmConfig, m: int, n: int) -> int:
-    """CTA tiles of an M x N output, padded to whole clusters: the split-K semaphores."""
+def split_k_tiles(cfg: GemmConfig, m: int, n: int, groups: int = 1) -> int:
+    """CTA tiles of `groups` M x N outputs, each padded to whole clusters: the split-K semaphores."""
     # A 2-CTA MMA tile (sm100) is two CTA tiles, each with its own semaphore.
     if cfg.swap_ab:  # the kernel tiles out.T
         m, n = n, m
     tiles_m = _cdiv(_cdiv(m, cfg.cta_tile_m), cfg.cluster_m) * cfg.cluster_m
     tiles_n = _cdiv(_cdiv(n, cfg.tile_n), cfg.cluster_n) * cfg.cluster_n
-    return tiles_m * tiles_n
+    return tiles_m * tiles_n * groups
 
 
-def split_k_scratch_words(cfg: GemmConfig, m: int, n: int, clusters: int = 0) -> int:
-    """Int32 words of the in-kernel split-K or stream-K scratch for an M x N
-    output (stream-K: on a device that runs `clusters` clusters at once)."""
-    tiles = split_k_tiles(cfg, m, n)
+def split_k_scratch_words(cfg: GemmConfig, m: int, n: int, clusters: int = 0, groups: int = 1) -> int:
+    """Int32 words of the in-kernel split-K or stream-K scratch for `groups`
+    M x N outputs (stream-K: on a device that runs `clusters` clusters at once)."""
+    tiles = split_k_tiles(cfg, m, n, groups)
     partials = 2 * clusters * cfg.cluster_size if cfg.stream_k else tiles * cfg.split_k
     return split_k_partials_offset(tiles) + partials * cfg.cta_tile_m * cfg.tile_n
 
@@ -605,9 +605,12 @@ def is_valid(cfg_fields: dict) -> bool:
 
 def check_problem(
     cfg: GemmConfig, m: int, n: int, k: int, groups: int = 1,
-    dtype_in: str = "bf16", dtype_out: str = "bf16", layout: str = "tn",
+    dtype_in: str = "bf16", dtype_out: str = "bf16", layout: str = "tn", group_k: tuple[int, ...] = (),
 ) -> None:
-    """Raise InvalidConfig if `cfg` cannot run this problem (the can_implement check)."""
+    """Raise InvalidConfig if `cfg` cannot run this problem (the can_implement check).
+
+    `group_k`: the groups' own K (G problems packed along K, `kernels.grouped`'s
+    "k" form); empty for a dense or an MoE ("rows") problem."""
     check_operands(m, n, k, groups, dtype_in, dtype_out, layout)
     check_output(cfg, dtype_out)
     if cfg.pingpong and groups > 1:
@@ -618,9 +621,19 @@ def check_problem(
         raise InvalidConfig("stream-K is not built for grouped GEMM")
     if cfg.tile_k != TILE_K and groups > 1:
         raise InvalidConfig(f"grouped GEMM walks K in stages of {TILE_K}, not {cfg.tile_k}")
-    if cfg.split_k > 1:
-        if groups > 1:
-            raise InvalidConfig("split-K is not combined with grouped GEMM")
+    if cfg.split_k > 1 and groups > 1:
+        # Problems packed along K split each group's k-blocks in the kernel;
+        # MoE groups share K, and their rows, not K, make the work.
+        if not group_k:
+            raise InvalidConfig("split-K is combined with grouped GEMM only for groups with their own K")
+        if cfg.arch != "sm90":
+            raise InvalidConfig(f"grouped split-K is built for sm90, not {cfg.arch}")
+        if min(group_k) // TILE_K < cfg.split_k:
+            raise InvalidConfig(f"K={min(group_k)} split {cfg.split_k} ways leaves slices under one k-block")
+        words = split_k_scratch_words(cfg, m, n, groups=groups)
+        if words > _INT32_MAX:
+            raise InvalidConfig(f"split-K scratch of {words} words exceeds int32 indexing; use fewer slices")
+    elif cfg.split_k > 1:
         if k % (cfg.split_k * 8):
             raise InvalidConfig(f"K={k} does not split into {cfg.split_k} 16-byte aligned slices")
         if k // cfg.split_k < cfg.tile_k:

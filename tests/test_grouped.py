@@ -83,6 +83,9 @@ OFFLINE = [
                "bf16", "fp32", "tn", "rows"),
     # Three consumer warpgroups, 16-column epilogue sub-tiles (row-masked copies too).
     _v("rows", scheduler=DYN, tile_m=192, tile_n=176, stages=4),
+    # K slices of the k form, reduced in the kernel.
+    _v("k", scheduler=DYN, tile_m=128, tile_n=256, cluster_m=2, stages=4, split_k=2),
+    _v("k", "nn", scheduler=STATIC, split_k=4),
 ]
 
 
@@ -96,6 +99,9 @@ def test_offline_grouped_variants_compile(offline):
         assert "wgmma.mma_async" in k.ptx, v.key()
         # Only the dynamic scheduler claims work with a global atomic.
         assert ("atom.global.add" in k.ptx) == (v.cfg.scheduler == DYN), v.key()
+        # K slices make their partials visible before they count themselves
+        # on their tile's semaphore.
+        assert ("fence.acq_rel.gpu" in k.ptx) == (v.cfg.split_k > 1), v.key()
         assert k.stack_bytes == 0, v.key()
         assert k.smem_bytes <= 227 * 1024, v.key()
         # A group's last, partial tile leaves smem in 16-byte copies.
@@ -216,6 +222,43 @@ def test_k_form_mixed_k(cfg, layout):
         run(a, b, offs, out)
         torch.cuda.synchronize()
         _assert_close(out, _k_reference(a, b, offs, layout))
+
+
+K_SPLIT_CFGS = [
+    GemmConfig(scheduler=STATIC, split_k=2),
+    GemmConfig(scheduler=DYN, tile_m=128, tile_n=256, cluster_m=2, stages=4, split_k=2),
+    GemmConfig(scheduler=DYN, tile_m=64, tile_n=128, cluster_n=2, split_k=4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tn", "nn"])
+@pytest.mark.parametrize("cfg", K_SPLIT_CFGS, ids=lambda c: c.name())
+def test_k_form_split_k(cfg, layout):
+    """Slices of uneven depth (a group of one k-block leaves a slice none),
+    launches of different tile counts one after another on the same scratch,
+    then a graph replayed with new offsets: every slice is counted once."""
+    run = kc.get_kernel(cfg, dtype_in="bf16", dtype_out="bf16", layout=layout, grouped="k")
+    cases = (([64, 1024, 128, 2048], 200), ([512, 8192], 129), ([4096, 64, 192], 384))
+    for ks, m in cases:
+        a, b, offs = _k_case(ks, m, 264, layout)
+        out = torch.full((len(ks), m, 264), float("nan"), device="cuda", dtype=torch.bfloat16)
+        run(a, b, offs, out)
+        torch.cuda.synchronize()
+        _assert_close(out, _k_reference(a, b, offs, layout), f"{ks} x {m}")
+    a, b, offs = _k_case([1024, 3072], 256, 264, layout)
+    out = torch.empty(2, 256, 264, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run(a, b, offs, out)
+    for ks in ([1024, 3072], [3968, 128], [2048, 2048]) * 2:
+        offs.copy_(_offs(ks))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, _k_reference(a, b, offs, layout), f"replayed {ks}")
 
 
 @pytest.mark.gpu

@@ -187,7 +187,8 @@ def test_smem_budget_is_the_stage_limit():
         (dict(m=4, n=12, k=8, layout="nn"), "N=12"),
         (dict(m=4, n=8, k=8, dtype_in="fp8"), "input dtype"),
         (dict(m=4, n=8, k=8, layout="tt"), "layout"),
-        (dict(m=4, n=8, k=4096, groups=2), "grouped"),
+        (dict(m=4, n=8, k=4096, groups=2), "only for groups with their own K"),
+        (dict(m=4, n=8, k=4096, groups=2, group_k=(4096, 192)), "K=192 split 4 ways"),
         (dict(m=4, n=8, k=4104), "16-byte aligned"),
         (dict(m=4, n=8, k=96), "under one k-block"),
     ],
@@ -215,6 +216,19 @@ def test_swap_ab_takes_a_linear_weight_only():
     split = GemmConfig(scheduler="single_tile", tile_m=64, tile_n=32, stages=8, split_k=3, swap_ab=True)
     assert space.split_k_tiles(split, 9, 5376) == 84
     assert space.split_k_scratch_words(split, 9, 5376) == space.split_k_partials_offset(84) + 84 * 3 * 64 * 32
+
+
+def test_grouped_split_k_is_for_groups_with_their_own_k_on_sm90():
+    cfg = GemmConfig(split_k=4, tile_m=64)
+    space.check_problem(cfg, 1024, 1024, 32768, groups=4, group_k=(1024, 32768, 1024, 32768))
+    # Every group's tiles have a semaphore and four partial slots.
+    tiles = space.split_k_tiles(cfg, 1000, 1024, groups=4)
+    assert tiles == 4 * 16 * 8
+    assert space.split_k_scratch_words(cfg, 1000, 1024, groups=4) == (
+        space.split_k_partials_offset(tiles) + tiles * 4 * 64 * 128)
+    sm100 = GemmConfig(arch="sm100", split_k=2, tile_m=128, tile_n=128)
+    with pytest.raises(InvalidConfig, match="built for sm90"):
+        space.check_problem(sm100, 1024, 1024, 4096, groups=2, group_k=(4096, 1024))
 
 
 def test_split_k_scratch_must_stay_int32_indexable():

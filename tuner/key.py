@@ -72,7 +72,8 @@ class Problem:
     def runs(self, cfg) -> bool:
         """Whether the pool config `cfg` can run this problem (the space's rules)."""
         try:
-            check_problem(cfg, self.m, self.n, self.k, self.groups, self.dtype_in, self.dtype_out, self.layout)
+            check_problem(cfg, self.m, self.n, self.k, self.groups, self.dtype_in, self.dtype_out, self.layout,
+                          self.group_k)
         except InvalidConfig:
             return False
         return True

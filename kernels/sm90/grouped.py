@@ -16,7 +16,11 @@ Two forms, both driven by ``offs`` (int32, cumulative group ends on device):
   B (N, ΣK) ("tn") or (ΣK, N) ("nn"), out (G, M, N); group g is the K range
   ``[offs[g-1], offs[g])``, each a multiple of `TILE_K` so a k-block never
   straddles two groups. Packing keeps one descriptor per operand, so no
-  descriptor is rewritten in the kernel.
+  descriptor is rewritten in the kernel. With split_k S every tile of a
+  group is S units, each an even share of the group's k-blocks, reduced in
+  the kernel as the dense split-K is (`kernels.partials`): where a few
+  groups are much deeper than the rest, their tiles alone would leave most
+  SMs idle or, with wide tiles, too few to fill the device.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from cutlass.pipeline import pipeline_init_wait
 
 from kernels.group_table import GroupedTileScheduler, GroupTable
 from kernels.grouped import FORMS, MAX_GROUPS
+from kernels.partials import PartialScratch, SliceSlots
+from kernels.schedulers import TileGrid
 from kernels.sm90.gemm import (
     _LOAD_WARP,
     _SCHED_WARP,
@@ -57,8 +63,8 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
     def can_implement_grouped(cfg: GemmConfig, form: str) -> None:
         if form not in FORMS:
             raise InvalidConfig(f"unknown grouped form {form!r}; expected one of {FORMS}")
-        if cfg.split_k != 1:
-            raise InvalidConfig("grouped kernels do not split K")
+        if cfg.split_k != 1 and form != "k":
+            raise InvalidConfig("grouped kernels split K only in the k form (groups with their own K)")
         if cfg.pingpong:
             raise InvalidConfig("grouped kernels have cooperative consumers only")
         if cfg.tile_k != TILE_K:
@@ -112,7 +118,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         if const_expr(self.form == "rows"):
             bound = ((c3.shape[0] + cluster_rows - 1) // cluster_rows + groups) * clusters_n
         else:
-            bound = (c3.shape[0] + cluster_rows - 1) // cluster_rows * clusters_n * groups
+            bound = (c3.shape[0] + cluster_rows - 1) // cluster_rows * clusters_n * groups * self.split_k
         clusters = bound
         if const_expr(self.sched.kind != "single_tile"):
             clusters = cutlass.min(bound, max_clusters)
@@ -126,6 +132,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             starts: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
             order: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, MAX_GROUPS], 16]
             heavy: cute.struct.MemRange[Int32, 1]
+            arrivals: cute.struct.MemRange[Int32, 1]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], _SMEM_ALIGN]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], _SMEM_ALIGN]
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], _SMEM_ALIGN]
@@ -187,6 +194,7 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             (m_total + cluster_rows - 1) // cluster_rows,
             clusters_n,
             cluster_rows,
+            self.split_k,
         )
         table.build(offs, m_total if const_expr(self.form == "rows") else mA.shape[1], warp_idx == _TABLE_WARP)
         cute.arch.sync_threads()
@@ -235,25 +243,34 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume_grouped(
                 tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, mA.shape[1], tidx, warp_idx, group_idx,
-                GroupedTileScheduler.create(self.sched, table, ring), trace,
+                GroupedTileScheduler.create(self.sched, table, ring), sched_buf,
+                storage.arrivals.get_tensor(cute.make_layout(1)), trace,
             )
 
-    def _placement(self, table: GroupTable, m, g, k_packed):
-        """Where tile (m, ., g) lives: (first row, first k, k-tiles, l of A, l of B, l of C, rows left)."""
+    def _placement(self, table: GroupTable, m, u, k_packed):
+        """Where tile (m, ., u) lives: (first row, first k, k-tiles, l of A, l of B, l of C, rows left).
+
+        `u` is the group, or in the k form group * split_k + K slice."""
         tm = self.tile_mnk[0]
-        lo = table.bounds[g]
-        hi = table.bounds[g + 1]
         if const_expr(self.form == "rows"):
+            lo = table.bounds[u]
             row0 = lo + m * tm
-            return row0, Int32(0), (k_packed + TILE_K - 1) // TILE_K, Int32(0), g, Int32(0), hi - row0
-        return m * tm, lo, (hi - lo) // TILE_K, Int32(0), Int32(0), g, Int32(tm)
+            return row0, Int32(0), (k_packed + TILE_K - 1) // TILE_K, Int32(0), u, Int32(0), table.bounds[u + 1] - row0
+        g = u // self.split_k
+        s = u - g * self.split_k
+        lo = table.bounds[g]
+        blocks = (table.bounds[g + 1] - lo) // TILE_K
+        first = s * blocks // self.split_k
+        last = (s + 1) * blocks // self.split_k
+        return m * tm, lo + first * TILE_K, last - first, Int32(0), Int32(0), g, Int32(tm)
 
     @cute.jit
     def _consume_grouped(
         self, tiled_mma, load_pipe, sA, sB, sC, mC, c3, tma_c, table, k_packed, tidx, warp_idx, group_idx, sched,
-        trace=None,
+        sched_buf, arrivals, trace=None,
     ):
-        """Consumer warpgroups: the dense mainloop and epilogue at the tile's group coordinates."""
+        """Consumer warpgroups: the dense mainloop, the split-K fixup and the
+        epilogue at the tile's group coordinates."""
         tm, tn, _ = self.tile_mnk
         mma_tidx = tidx - _THREADS_PER_GROUP
         thr_mma = tiled_mma.get_slice(
@@ -268,15 +285,27 @@ class Sm90GroupedGemmKernel(Sm90GemmKernel):
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         subtiles_done = Int32(0)
         n_total = c3.shape[1]
+        scratch = None
+        if const_expr(self.split_k > 1):
+            # One semaphore and split_k slots per CTA tile of every group's output.
+            every = TileGrid(table.clusters_m * table.groups, table.clusters_n, Int32(1))
+            scratch = PartialScratch.create(sched_buf, arrivals, every, self.cluster_mn)
+            tiles_m = table.clusters_m * self.cluster_mn[0]
 
         work = sched.initial_work()
         while work.is_valid:
-            m, n, g = work.tile
-            row0, _, k_tiles, _, _, lc, rows_left = self._placement(table, m, g, k_packed)
+            m, n, u = work.tile
+            row0, _, k_tiles, _, _, lc, rows_left = self._placement(table, m, u, k_packed)
             if const_expr(trace is not None):
                 start = trace_now()
             read, release = self._mma_tile(tiled_mma, load_pipe, tCrA, tCrB, acc, k_tiles, read, release)
-            if rows_left >= tm:
+            if const_expr(self.split_k > 1):
+                tile_id = scratch.tile_id(lc * tiles_m + m, n)
+                if self._reduce_partials(scratch, acc, tile_id, Int32(self.split_k), u - lc * self.split_k,
+                                         SliceSlots(tile_id, self.split_k), mma_tidx, epi.bar):
+                    gC = cute.local_tile(cute.domain_offset((row0, 0, 0), mC), (tm, tn), (0, n, lc))
+                    subtiles_done = self._store_tile(epi, acc, tma_c, gC, subtiles_done)
+            elif rows_left >= tm:
                 gC = cute.local_tile(cute.domain_offset((row0, 0, 0), mC), (tm, tn), (0, n, lc))
                 subtiles_done = self._store_tile(epi, acc, tma_c, gC, subtiles_done)
             else:

@@ -40,15 +40,15 @@ class Trace:
 
 def group_rows(key: Key, cfg: GemmConfig) -> list[int]:
     """Output rows of each group of the launch (the groups of the records):
-    a dense key's K slices, seed 000's problems, or the MoE groups as the
-    gpu backend routes them."""
+    a dense key's K slices, seed 000's problems (each K slice of each), or
+    the MoE groups as the gpu backend routes them."""
     from tuner.backends.gpu_worker import group_bounds
 
     p = key.problem
     if p.groups == 1:
         return [p.m] * cfg.split_k
     if p.group_k:
-        return [p.m] * p.groups
+        return [p.m] * p.groups * cfg.split_k
     bounds = group_bounds(p.m, p.groups)
     return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
 
