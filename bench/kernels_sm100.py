@@ -199,7 +199,7 @@ def correctness(backend, device: str) -> list[dict]:
             p = Problem(m, n, k, dtype_in="fp16" if dtype_out == "fp16" else "bf16", dtype_out=dtype_out,
                         layout=layout)
             try:
-                space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+                p.check(cfg)
             except space.InvalidConfig as exc:
                 results.append({"config": cfg.name(), "problem": p.label(), "ok": None, "skipped": str(exc)})
                 continue

@@ -69,11 +69,15 @@ class Problem:
         if self.overlap and self.carveout:
             raise InvalidConfig("held SMs and an overlap both say what runs beside the GEMM: give one")
 
+    def check(self, cfg) -> None:
+        """Raise InvalidConfig if the pool config `cfg` cannot run this problem (the space's rules)."""
+        check_problem(cfg, self.m, self.n, self.k, self.groups, self.dtype_in, self.dtype_out, self.layout,
+                      self.group_k)
+
     def runs(self, cfg) -> bool:
-        """Whether the pool config `cfg` can run this problem (the space's rules)."""
+        """Whether the pool config `cfg` can run this problem."""
         try:
-            check_problem(cfg, self.m, self.n, self.k, self.groups, self.dtype_in, self.dtype_out, self.layout,
-                          self.group_k)
+            self.check(cfg)
         except InvalidConfig:
             return False
         return True

@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kernels.grouped import MAX_GROUPS
-from kernels.space import TILE_K, GemmConfig, InvalidConfig, check_problem
+from kernels.space import TILE_K, GemmConfig, InvalidConfig
 from tuner.backends.gpu_worker import CUBLAS_LOOP, grouped_form
 from tuner.key import Key, Problem
 from tuner.backends.measure import Measurement
@@ -424,7 +424,7 @@ class GpuBackend:
             if refusal:
                 return refusal
         try:
-            check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+            p.check(cfg)
         except InvalidConfig as exc:
             return f"invalid for this problem: {exc}"
         return None

@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels.space import (
-    DTYPE_BYTES, GemmConfig, InvalidConfig, check_problem, epi_subtile_n, smem_bytes,
+    DTYPE_BYTES, GemmConfig, InvalidConfig, epi_subtile_n, smem_bytes,
 )
 from tuner.key import Key, Problem
 from tuner.backends.measure import Measurement
@@ -532,7 +532,7 @@ def _predict(key_or_problem, cfg: GemmConfig, device, padding: float) -> tuple[f
     if cfg.arch != device.arch:
         raise InvalidConfig(f"config for {cfg.arch} on a {device.arch} device model")
     p = problem
-    check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+    p.check(cfg)
     if cfg.swap_ab:
         # The kernel runs out.T = W @ x.T: the weight's rows are its M. Its N
         # is the activations' rows, rounded up to the 8 a problem's N takes

@@ -394,7 +394,7 @@ def _choose(key, measure=None) -> tuple[Explanation, object]:
     """The rule of `tuner.lookup` over the store; with `measure` (online
     tuning) an M no measured interval covers is measured now. Returns the
     explanation and, on the kernel path, the config."""
-    from kernels.space import GemmConfig, check_problem
+    from kernels.space import GemmConfig
     from tuner.runtime.lookup import RANGE, lookup
 
     from kernels.grouped import MAX_GROUPS
@@ -429,7 +429,7 @@ def _choose(key, measure=None) -> tuple[Explanation, object]:
         return Explanation(TORCH, f"choice is stale: measured under other {', '.join(changed)} versions", **seen), None
     try:
         cfg = GemmConfig.from_dict(found.config)
-        check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+        p.check(cfg)
     except (InvalidConfig, TypeError) as exc:
         return Explanation(TORCH, f"choice {found.config_name} cannot run this shape: {exc}", **seen), None
     return Explanation(KERNEL, f"tuned kernel: {found.describe()}", fallback=False, **seen), cfg

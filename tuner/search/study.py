@@ -236,8 +236,7 @@ def tune_key(
     def objective(trial: optuna.Trial) -> float:
         try:
             cfg = GemmConfig(**_suggest(trial, key.arch))
-            p = key.problem
-            space.check_problem(cfg, p.m, p.n, p.k, p.groups, p.dtype_in, p.dtype_out, p.layout)
+            key.problem.check(cfg)
         except InvalidConfig as exc:
             trial.set_user_attr("invalid", str(exc))
             raise optuna.TrialPruned(str(exc)) from None
