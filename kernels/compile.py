@@ -651,8 +651,7 @@ class _GroupedRunner:
 
     "rows": a (total_M, K), b (G, N, K) or (G, K, N), out (total_M, N).
     "k": a (M, sum K), b (N, sum K) or (sum K, N), out (G, M, N); every
-    group's K a multiple of 64 (and of 64 x split_k). `offs` (int32, G)
-    stays on the device.
+    group's K a multiple of 64. `offs` (int32, G) stays on the device.
     """
 
     def __init__(self, fn, v: Variant, device_index: int, sm_budget: int = 0):
