@@ -630,18 +630,17 @@ def check_problem(
             raise InvalidConfig(f"grouped split-K is built for sm90, not {cfg.arch}")
         if min(group_k) // TILE_K < cfg.split_k:
             raise InvalidConfig(f"K={min(group_k)} split {cfg.split_k} ways leaves slices under one k-block")
-        words = split_k_scratch_words(cfg, m, n, groups=groups)
-        if words > _INT32_MAX:
-            raise InvalidConfig(f"split-K scratch of {words} words exceeds int32 indexing; use fewer slices")
     elif cfg.split_k > 1:
         if k % (cfg.split_k * 8):
             raise InvalidConfig(f"K={k} does not split into {cfg.split_k} 16-byte aligned slices")
         if k // cfg.split_k < cfg.tile_k:
             raise InvalidConfig(f"K={k} split {cfg.split_k} ways leaves slices under one k-block")
-        # sm90 parks the slices' partials in an int32-indexed scratch buffer.
-        if cfg.arch == "sm90" and split_k_scratch_words(cfg, m, n) > _INT32_MAX:
+    # sm90 parks the slices' partials (every group's) in an int32-indexed scratch buffer.
+    if cfg.split_k > 1 and cfg.arch == "sm90":
+        words = split_k_scratch_words(cfg, m, n, groups=groups)
+        if words > _INT32_MAX:
             raise InvalidConfig(
-                f"split-K scratch of {split_k_scratch_words(cfg, m, n)} words for {m}x{n} "
+                f"split-K scratch of {words} words for {groups} x {m}x{n} "
                 f"exceeds int32 indexing; use fewer slices or larger tiles"
             )
 
