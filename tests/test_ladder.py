@@ -282,6 +282,37 @@ def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
     assert any(r["config"] is not None for r in ranges)
 
 
+def test_refine_under_a_deadline_measures_from_the_fewest_rows_up_until_it_passes(monkeypatch):
+    """Each timing takes a second of a fake clock: a deadline 3 s away lets
+    the first round's 3 points of fewest rows be measured and no more; one
+    already passed, none."""
+    from kernels import space
+    from tuner.search import ladder
+    from tuner.search.ladder import _measure, _refine
+    from tuner.search.study import Budget
+
+    now = [0.0]
+    monkeypatch.setattr(ladder.time, "monotonic", lambda: now[0])
+
+    class Timed(_RowStepBackend):
+        def remeasure(self, key, cfgs, *, cold=False):
+            now[0] += 1.0
+            return super().remeasure(key, cfgs, cold=cold)
+
+    cfg = space.defaults("sm90")["static_persistent"]
+    template = Key("sm90", "synthetic", Problem(512, 4096, 4096))
+    points = [_measure(template, m, [cfg], Timed()) for m in (512, 640, 768, 1024)]
+    monkeypatch.setattr(ladder, "REFINE_ROUNDS", 1)
+    extra = sorted({p[0] for p in _refine(template, points, Timed())} - {512, 640, 768, 1024})
+    assert len(extra) > 3
+    monkeypatch.setattr(ladder, "REFINE_ROUNDS", 4)
+    now[0] = 0.0
+    bounded = _refine(template, points, Timed(), Budget(until=3.0))
+    assert [p[0] for p in bounded] == sorted([512, 640, 768, 1024, *extra[:3]])
+    assert now[0] == 3.0
+    assert [p[0] for p in _refine(template, points, Timed(), Budget(until=now[0]))] == [512, 640, 768, 1024]
+
+
 class _DipBackend:
     """cuBLAS switches to a faster kernel for M in 66-74 only; our kernel's
     time is flat and 2 % under cuBLAS's elsewhere."""
