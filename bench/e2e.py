@@ -160,7 +160,7 @@ def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], d
         model = build_model(name, num_layers=layers)
         for s in linear_shapes(model):
             ms = head_ms if s.names == ("lm_head",) else layer_ms
-            lines.append(f"{','.join(map(str, ms))} {s.n} {s.k} name={name}.{'+'.join(s.names)}")
+            lines.append(f"{','.join(map(str, ms))} {s.n} {s.k} name={name}.{s.label}")
         # A mixture of experts' grouped products: top-k rows a token.
         path = config_path(name)
         top_k, grouped, _ = expert_keys(model, load_config(path) if path else {})

@@ -146,6 +146,29 @@ def test_linear_shapes_dedupe_and_keep_module_order():
     assert [(s.n, s.k, s.names) for s in shapes] == [(1024, 256, ("0", "3")), (256, 1024, ("2",))]
 
 
+def test_a_leaf_name_of_two_shapes_is_qualified_by_the_modules_above_it():
+    """DeepSeek-V3's dense MLP and its shared experts both have a gate_proj,
+    of different widths: each family's name says which."""
+
+    class Mlp(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(64, width), nn.Linear(64, width)
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared_experts = Mlp(32)
+
+    layers = nn.ModuleList([nn.ModuleDict({"mlp": Mlp(128)}), nn.ModuleDict({"mlp": Moe()})])
+    shapes = linear_shapes(nn.ModuleDict({"layers": layers, "lm_head": nn.Linear(64, 1000)}))
+    assert [(s.n, s.names, s.label) for s in shapes] == [
+        (128, ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_proj+up_proj"),
+        (32, ("shared_experts.gate_proj", "shared_experts.up_proj"), "shared_experts.gate_proj+up_proj"),
+        (1000, ("lm_head",), "lm_head"),
+    ]
+
+
 def test_tune_model_tunes_every_linear_shape_in_one_step(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL))

@@ -35,11 +35,22 @@ class ModelSourceError(ValueError):
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One distinct (N, K) of a model's linear layers and the layers (leaf names) that run it."""
+    """One distinct (N, K) of a model's linear layers and the layers that run
+    it: their leaf names, qualified by the modules above where a leaf name
+    runs another shape too (`linear_shapes`)."""
 
     n: int
     k: int
     names: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """The names joined by "+", a qualifier they share written once
+        ("shared_experts.gate_proj+up_proj")."""
+        heads = {name.rpartition(".")[0] for name in self.names}
+        if len(heads) == 1 and (head := heads.pop()):
+            return f"{head}." + "+".join(name.rpartition(".")[2] for name in self.names)
+        return "+".join(self.names)
 
 
 def shipped_models() -> list[str]:
@@ -124,17 +135,37 @@ def _truncated(fields: dict, num_layers: int) -> dict:
 
 
 def linear_shapes(model) -> list[LinearShape]:
-    """The distinct (N, K) of the model's linear layers, in module order."""
+    """The distinct (N, K) of the model's linear layers, in module order, each
+    named by its layers' leaf names; a leaf name that runs more than one
+    shape takes the module names above it until it runs one (DeepSeek-V3's
+    dense `mlp.gate_proj` and its `shared_experts.gate_proj`)."""
     from torch import nn
 
     found: dict[tuple[int, int], list[str]] = {}
-    for name, module in model.named_modules():
+    for path, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            names = found.setdefault((module.out_features, module.in_features), [])
-            leaf = name.rpartition(".")[2] or "linear"
-            if leaf not in names:
-                names.append(leaf)
-    return [LinearShape(n, k, tuple(names)) for (n, k), names in found.items()]
+            found.setdefault((module.out_features, module.in_features), []).append(path)
+    depth = {path: 1 for paths in found.values() for path in paths}
+    while True:
+        shapes_of: dict[str, set] = {}
+        for shape, paths in found.items():
+            for path in paths:
+                shapes_of.setdefault(_qualified(path, depth[path]), set()).add(shape)
+        clashing = [path for paths in found.values() for path in paths
+                    if len(shapes_of[_qualified(path, depth[path])]) > 1 and depth[path] < path.count(".") + 1]
+        if not clashing:
+            break
+        for path in clashing:
+            depth[path] += 1
+    return [LinearShape(n, k, tuple(dict.fromkeys(_qualified(p, depth[p]) for p in paths)))
+            for (n, k), paths in found.items()]
+
+
+def _qualified(path: str, depth: int) -> str:
+    """The last `depth` names of a module path, list indices left out (of a
+    path of indices only, its last; of the model itself, "linear")."""
+    names = [name for name in path.split(".") if not name.isdigit()]
+    return ".".join(names[-depth:]) if names else path.rpartition(".")[2] or "linear"
 
 
 def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
@@ -152,7 +183,7 @@ def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
     lines = [f"# {name}: the {len(shapes)} distinct linear-layer shapes (N K) of the model as built "
              f"from {Path(path).name if path else source}"]
     for s in shapes:
-        line = f"{ms} {s.n} {s.k} dtype={dtype} name={name}.{'+'.join(s.names)}"
+        line = f"{ms} {s.n} {s.k} dtype={dtype} name={name}.{s.label}"
         why = _outside_the_pool(s, dtype)
         # A shape no kernel can take (a gate of one output) stays in the file
         # as a comment, so that the file still tunes and says what runs cuBLAS.
