@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sqlite3
+from dataclasses import replace
 from types import SimpleNamespace
 import subprocess
 import sys
@@ -285,7 +286,8 @@ def test_refine_measures_tile_row_starts_so_no_kernel_range_loses_inside():
 def test_refine_under_a_deadline_measures_from_the_fewest_rows_up_until_it_passes(monkeypatch):
     """Each timing takes a second of a fake clock: a deadline 3 s away lets
     the first round's 3 points of fewest rows be measured and no more; one
-    already passed, none."""
+    already passed, none; but points whose cuBLAS calls take under
+    REFINE_ALWAYS_MS are measured however late."""
     from kernels import space
     from tuner.search import ladder
     from tuner.search.ladder import _measure, _refine
@@ -311,6 +313,15 @@ def test_refine_under_a_deadline_measures_from_the_fewest_rows_up_until_it_passe
     assert [p[0] for p in bounded] == sorted([512, 640, 768, 1024, *extra[:3]])
     assert now[0] == 3.0
     assert [p[0] for p in _refine(template, points, Timed(), Budget(until=now[0]))] == [512, 640, 768, 1024]
+
+    class Cheap(Timed):
+        def remeasure(self, key, cfgs, *, cold=False):
+            return [replace(r, ms=r.ms / 10) for r in super().remeasure(key, cfgs, cold=cold)]
+
+    cheap = [_measure(template, m, [cfg], Cheap()) for m in (512, 640, 768, 1024)]
+    assert cheap[-1][1]["cublas"] < ladder.REFINE_ALWAYS_MS
+    assert ([p[0] for p in _refine(template, cheap, Cheap(), Budget(until=now[0]))]
+            == [p[0] for p in _refine(template, cheap, Cheap())])
 
 
 class _DipBackend:

@@ -20,8 +20,8 @@ flush (the latency a model's forward sees, not back-to-back throughput); a
 range a kernel takes is measured again at the first M of every tile row
 inside it and, where its lead is thin, between its measured points; a
 stretch the map would give cuBLAS next to a point a kernel took is bisected
-(`_refine`; under a deadline only while the family's time lasts, from the
-fewest rows up).
+(`_refine`; under a deadline from the fewest rows up, past the family's
+time only where cuBLAS takes under a millisecond).
 A point measured while the GPU ran slow for a spell (cuBLAS slower there
 than at a larger M) is measured again (`_steady`). From those measurements
 `build_map` makes the family's M map:
@@ -70,6 +70,11 @@ LEASE_TTL_S = 600.0
 WAIT_S = 0.5
 # Rounds of measuring kernel ranges again where they may lose (`_refine`).
 REFINE_ROUNDS = 4
+# Under a deadline a refinement point is measured however late while
+# cuBLAS takes less than this (ms) at the measured M below it: its calls
+# cost a fraction of a second to time, and a kernel starting a tile row at
+# few rows can lose by a tenth.
+REFINE_ALWAYS_MS = 1.0
 # A kernel range is measured between two of its points while its lead over
 # cuBLAS at either is under THIN_MARGIN and they lie more than DENSE_RATIO apart.
 THIN_MARGIN = 1.04
@@ -604,7 +609,8 @@ def _refine(template: Key, points: list[tuple], backend: Backend, budget: Budget
 
     Repeats while the map changes, `REFINE_ROUNDS` times at most. Under a
     deadline (`budget.until`) the points are measured from the fewest rows
-    up and the rest left once it passes: the map then stands on the points
+    up, and once it has passed only while cuBLAS takes under
+    `REFINE_ALWAYS_MS` below them: the map then stands on the points
     measured, whose intervals each had cuBLAS timed at their ends. Most of
     these points lie at many rows, where a call costs milliseconds and the
     leads are thin (H100, Llama 3.1 8B's lm_head under a 155 s budget: 61
@@ -638,7 +644,8 @@ def _refine(template: Key, points: list[tuple], backend: Backend, budget: Budget
             break
         measured = []
         for m, cfgs in sorted(extra.items()):
-            if budget.left() <= 0:
+            below = max((p for p in points if p[0] < m), key=lambda p: p[0], default=points[0])
+            if budget.left() <= 0 and below[1][BASELINE] >= REFINE_ALWAYS_MS:
                 break
             measured.append(_measure(template, m, cfgs, backend))
         points = sorted(points + measured, key=lambda p: p[0])
