@@ -5,7 +5,7 @@ patched (`tuner.patch`), eager and under torch.compile.
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024|none] [--decode 1,16] [--steps 64] [--prompt 128]
                         [--rounds 300] [--decode-rounds 20] [--check-rounds 30]
-                        [--modes eager,compiled] [--graphs] [--pdl]
+                        [--modes eager,compiled] [--graphs] [--pdl] [--fuse]
                         [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
@@ -82,7 +82,10 @@ captured ones (`_Graphed`). A replay runs no host code of the model, so
 this is where the kernels' device time reaches the tokens per second.
 `--pdl` patches with the winners' pdl builds (`patch(pdl=True)`: each
 kernel's weight loads start while the kernel before it drains), to tell
-what that is worth inside a step against a run without it.
+what that is worth inside a step against a run without it. `--fuse`
+patches with `patch(fuse=True)`: q, k and v, and gate and up, each one
+product over their weights together (`tuner.runtime.fusion`), looked up in
+the fused shapes' families, which `--tune gpu` then tunes too.
 Decode at the DRAM floor (8 decoder layers, batches 1, 4 and 16, no prefill
 case; `--models` one at a time fits the GPU machine's limit per command):
 
@@ -92,9 +95,9 @@ case; `--models` one at a time fits the GPU machine's limit per command):
 those it was tuned at, batch 4 among them; a family DB lacks runs cuBLAS in
 both variants); `--tune gpu` (the default) first tunes those keys into it.
 
-Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs][-Nlayers][-pdl].json` (`$OUT`
+Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs][-Nlayers][-pdl][-fuse].json` (`$OUT`
 instead of `--out` when set; the suffixes name a subset of models or modes, a
-layer count other than 2, pdl builds, and the file
+layer count other than 2, pdl builds, fused siblings, and the file
 is rewritten after every case, so a run cut short keeps what it measured):
 per model what the check measured, and per case the tokens/s of each
 variant, the speedup, the errors, and how many linear calls of a forward may
@@ -123,7 +126,7 @@ from bench.dynamic_m import compile_choices
 from bench.kernels_sm90 import device_slug
 from bench.record import save
 from tuner import check, unpatch
-from tuner.runtime import dispatch, experts
+from tuner.runtime import dispatch, experts, fusion
 from tuner import patch
 from tuner.runtime.linears import build_model, config_path, expert_keys, linear_shapes, load_config
 from tuner.backends.measure import gc_paused, paired_speedup, trimmed_mean
@@ -151,8 +154,10 @@ def _batches(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], decode: list[int]) -> str:
-    """The shape file of the keys the runs call (module doc, step 1)."""
+def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], decode: list[int],
+               fuse: bool = False) -> str:
+    """The shape file of the keys the runs call (module doc, step 1); with
+    `fuse`, those of the fused siblings' products too."""
     layer_ms = sorted({b * s for b, s in prefill} | set(decode))
     head_ms = sorted({b for b, _ in prefill} | set(decode))
     lines = []
@@ -161,6 +166,8 @@ def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], d
         for s in linear_shapes(model):
             ms = head_ms if s.names == ("lm_head",) else layer_ms
             lines.append(f"{','.join(map(str, ms))} {s.n} {s.k} name={name}.{s.label}")
+        for label, n, k in fusion.sibling_shapes(model) if fuse else ():
+            lines.append(f"{','.join(map(str, layer_ms))} {n} {k} name={name}.fused.{label}")
         # A mixture of experts' grouped products: top-k rows a token.
         path = config_path(name)
         top_k, grouped, _ = expert_keys(model, load_config(path) if path else {})
@@ -170,7 +177,7 @@ def shape_file(models: list[str], layers: int, prefill: list[tuple[int, int]], d
 
 
 def tune(args: argparse.Namespace) -> None:
-    text = shape_file(args.models, args.layers, args.prefill, args.decode)
+    text = shape_file(args.models, args.layers, args.prefill, args.decode, args.fuse)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
     cmd = [sys.executable, "-m", "tuner.cli", "tune", "--shapes", f.name, "--backend", args.tune, "--db", args.db]
@@ -288,6 +295,7 @@ class _Role:
 
     def __init__(self, model: torch.nn.Module, layers: list, patched: bool) -> None:
         self.model, self._layers, self.patched = model, layers, patched
+        self._siblings = [m for m in model.modules() if type(m) is fusion.FusedSibling]
         # Experts blocks `patch` switched to the grouped dispatch.
         self._experts = [b for b in experts.grouped_blocks(model)
                          if b.config._experts_implementation == experts.IMPLEMENTATION]
@@ -300,6 +308,8 @@ class _Role:
         cls = TunedLinear if self.patched else torch.nn.Linear
         for layer in self._layers:
             layer.__class__ = cls
+        for layer in self._siblings:
+            layer.__class__ = fusion.FusedSibling if self.patched else torch.nn.Linear
         for block in self._experts:
             experts.use(block, experts.IMPLEMENTATION if self.patched else experts.GROUPED)
 
@@ -327,22 +337,23 @@ def _swap(models: dict) -> None:
     done, fresh = models["patched"], models["unpatched"]
     graphs = any(getattr(layer, "tuner_graphs", False) for layer in done.modules())
     pdl = any(getattr(layer, "tuner_pdl", False) for layer in done.modules())
-    _patch_like(fresh, done, graphs=graphs, compiled=True, pdl=pdl)
+    _patch_like(fresh, done, graphs=graphs, compiled=True, pdl=pdl, fuse=bool(fusion.groups(done)))
     unpatch(done)
     models["unpatched"], models["patched"] = done, fresh
 
 
 def _patch_like(model: torch.nn.Module, checked: torch.nn.Module, *, graphs: bool, compiled: bool,
-                pdl: bool) -> None:
-    """Patch `model` (`patch(graphs=, compiled=, pdl=)`) and give its layers the
-    intervals `checked`'s twins were left with (by `patch` and `check`): the
-    eager ones, and the compiled ones where `compiled`; a layer left with
-    none is an `nn.Linear`."""
+                pdl: bool, fuse: bool) -> None:
+    """Patch `model` (`patch(graphs=, compiled=, pdl=, fuse=)`) and give its
+    layers the intervals `checked`'s twins were left with (by `patch` and
+    `check`): the eager ones, and the compiled ones where `compiled`; a
+    layer left with none is an `nn.Linear`. Fused siblings keep what
+    `patch` gave their products."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first patch's warnings are in the record
-        patch(model, graphs=graphs, compiled=compiled, pdl=pdl)
+        patch(model, graphs=graphs, compiled=compiled, pdl=pdl, fuse=fuse)
     for name, layer in checked.named_modules():
-        if not isinstance(layer, torch.nn.Linear):
+        if not isinstance(layer, torch.nn.Linear) or type(layer) is fusion.FusedSibling:
             continue
         twin = model.get_submodule(name)
         if type(twin) is TunedLinear and hasattr(layer, "tuner_spans") and (layer.tuner_spans or compiled):
@@ -378,7 +389,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in families])} kernels", file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        patch(tuned, graphs=args.graphs, pdl=args.pdl)
+        patch(tuned, graphs=args.graphs, pdl=args.pdl, fuse=args.fuse)
         checked = check(tuned, _workload(tuned, args), rounds=args.check_rounds) if args.check_rounds else []
     for c in checked:
         print(f"{name:12s} check {c.n}x{c.k} M={c.m}: calls x{c.speedup:.3f} (2 se {2 * c.log_se:.3f}), "
@@ -389,14 +400,15 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     roles = {}
     if "eager" in args.modes and not args.graphs:
         eager = copy.deepcopy(model)
-        _patch_like(eager, tuned, graphs=False, compiled=False, pdl=args.pdl)
+        _patch_like(eager, tuned, graphs=False, compiled=False, pdl=args.pdl, fuse=args.fuse)
         roles = _roles(eager)
     patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
     blocks = experts.grouped_blocks(tuned)
     record = {"model": name, "layers": args.layers, "graphs": args.graphs, "patch_warnings": warned,
-              "families": families, "check": [dataclasses.asdict(c) for c in checked],
+              "families": families, "fused_groups": len(fusion.groups(tuned)),
+              "check": [dataclasses.asdict(c) for c in checked],
               # Mixture-of-experts blocks, and those `patch` put on the grouped dispatch.
               "experts_blocks": {"all": len(blocks), "on_grouped_dispatch": sum(
                   b.config._experts_implementation == experts.IMPLEMENTATION for b in blocks)},
@@ -597,7 +609,7 @@ def run(args: argparse.Namespace, checkpoint) -> dict:
     dispatch.configure(args.db)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "db": os.path.basename(args.db),
               "rounds": args.rounds, "decode_rounds": args.decode_rounds, "steps": args.steps,
-              "rel_err_limit": REL_ERR_LIMIT, "pdl": args.pdl, "models": []}
+              "rel_err_limit": REL_ERR_LIMIT, "pdl": args.pdl, "fuse": args.fuse, "models": []}
     import transformers
 
     record["transformers"] = transformers.__version__
@@ -653,6 +665,8 @@ def main() -> None:
                         help="Patch for CUDA graphs and replay every case from one (module doc).")
     parser.add_argument("--pdl", action="store_true",
                         help="Patch with the winners' pdl builds (`patch(pdl=True)`).")
+    parser.add_argument("--fuse", action="store_true",
+                        help="Patch with sibling projections fused (`patch(fuse=True)`).")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if not args.prefill and not args.decode:
@@ -669,6 +683,7 @@ def main() -> None:
     which += "-graphs" if args.graphs else ""
     which += f"-{args.layers}layers" if args.layers != 2 else ""
     which += "-pdl" if args.pdl else ""
+    which += "-fuse" if args.fuse else ""
     path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))

@@ -192,6 +192,11 @@ def test_the_e2e_bench_tunes_the_m_its_runs_call():
         ms.setdefault(e.name, set()).add(e.problem.m)
     assert ms["llama-3.1-8b.lm_head"] == {1, 4, 16}  # the last position's logits: one row per sequence
     assert ms["llama-3.1-8b.down_proj"] == {1, 16, 512, 1024}
+    # With fused siblings, their products' shapes too, at the layers' M.
+    fused = {e.name: (e.problem.n, e.problem.k) for e in parse_text(
+        shape_file(["llama-3.1-8b"], 2, [(1, 512)], [1], fuse=True), "e2e") if ".fused." in e.name}
+    assert fused == {"llama-3.1-8b.fused.q_proj+k_proj+v_proj": (6144, 4096),
+                     "llama-3.1-8b.fused.gate_proj+up_proj": (28672, 4096)}
 
 
 def test_the_e2e_speedup_keeps_the_order_effect_out():
@@ -266,7 +271,7 @@ def test_the_e2e_eager_copy_is_patched_as_an_eager_only_user_patches(monkeypatch
     checked[0].tuner_spans = ((1, 3),)  # as a check leaves them
     checked[1].tuner_spans = ()  # compiled only
     eager = copy.deepcopy(plain)
-    _patch_like(eager, checked, graphs=False, compiled=False, pdl=True)
+    _patch_like(eager, checked, graphs=False, compiled=False, pdl=True, fuse=False)
     assert (eager[0].tuner_spans, eager[0].tuner_compiled_spans) == (((1, 3),), ())
     assert eager[0].tuner_pdl
     assert type(eager[1]) is nn.Linear

@@ -14,7 +14,7 @@ from torch import nn
 from db.store import Store
 from kernels import space
 from tuner import check, patched, unpatch
-from tuner.runtime import dispatch
+from tuner.runtime import dispatch, fusion
 from tuner import patch
 from tuner.backends.gpu_worker import versions
 from tuner.key import Key, Problem
@@ -135,6 +135,49 @@ def test_patch_swaps_only_plain_linears_and_unpatch_restores_them(spy):
     unpatch(net)
     assert [type(m) for m in net] == [nn.Linear, nn.LayerNorm, nn.Linear, _OwnLinear]
     assert not hasattr(net[0], "tuner_spans") and "tuner_spans" not in net[0].__dict__
+
+
+class _Attention(nn.Module):
+    """q, k and v of one input, then o: the siblings `patch(fuse=True)` fuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(64, 64, bias=False)
+        self.k_proj, self.v_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)
+        self.o_proj = nn.Linear(128, 64, bias=False)
+
+    def forward(self, x):
+        return self.o_proj(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1))
+
+
+def test_fused_siblings_run_one_product_on_the_fused_shapes_map_and_unpatch_unfuses(spy):
+    from tuner.runtime import fusion
+
+    calls, spans = spy
+    spans.update({(128, 64): ((1, 8),), (64, 32): ((1, 8),)})
+    torch.manual_seed(0)
+    block = _Attention().to(torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = block(x)
+        patch(block, fuse=True)
+        [group] = fusion.groups(block)
+        assert type(group.linear) is TunedLinear and type(block.q_proj) is fusion.FusedSibling
+        # o_proj's shape has no interval: a plain layer; the siblings' own shapes are not looked up.
+        assert type(block.o_proj) is nn.Linear
+        got = block(x)
+        assert calls == [(3, 128)]
+        torch.testing.assert_close(got, want)
+        # Outside the fused shape's intervals the group's product is F.linear's.
+        block(torch.randn(9, 64, dtype=torch.bfloat16))
+        assert calls == [(3, 128)]
+        patch(block)  # without fuse: apart again
+        assert not fusion.groups(block) and type(block.q_proj) is nn.Linear
+        patch(block, fuse=True)
+        unpatch(block)
+    assert not fusion.groups(block) and all(type(m) is nn.Linear for m in block.children())
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), want)
 
 
 def test_a_plain_call_skips_the_module_call_and_any_hook_or_tracer_takes_it(spy, monkeypatch):
@@ -782,7 +825,8 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_att
 @pytest.fixture
 def tiny(tmp_path):
     """A two-layer Llama in bf16 on the GPU, and a database whose map runs the
-    pool's default static kernel for every linear shape of it at every M."""
+    pool's default static kernel for every linear shape of it, and every
+    shape of its fused siblings, at every M."""
     transformers = pytest.importorskip("transformers")
     arch = {9: "sm90", 10: "sm100"}[torch.cuda.get_device_capability()[0]]
     device = torch.cuda.get_device_name()
@@ -797,8 +841,9 @@ def tiny(tmp_path):
     store = Store(str(tmp_path / "w.db"))
     env = store.environment("gpu", arch, device, versions(device))
     point = {"m": 1, "ms": {"cublas": 1.5, cfg.name(): 1.0}}
-    for s in linear_shapes(model):
-        store.set_ranges(family_of(Key(arch, device, Problem(1, s.n, s.k))), env, [dict(
+    shapes = {(s.n, s.k) for s in linear_shapes(model)} | {(n, k) for _, n, k in fusion.sibling_shapes(model)}
+    for n, k in sorted(shapes):
+        store.set_ranges(family_of(Key(arch, device, Problem(1, n, k))), env, [dict(
             m_lo=1, m_hi=1 << 16, config_name=cfg.name(), scheduler=cfg.scheduler, config=cfg.to_dict(),
             evidence=[point])])
     store.close()
@@ -912,9 +957,9 @@ def test_compile_fullgraph_of_a_patched_decoder_layer(tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-@pytest.mark.parametrize("graphs", [False, True])
-def test_cuda_graph_capture_of_a_patched_decode_step(tiny, graphs, pdl):
+@pytest.mark.parametrize("graphs,pdl,fuse", [(False, False, False), (False, True, False), (True, False, False),
+                                             (True, True, False), (False, False, True), (True, True, True)])
+def test_cuda_graph_capture_of_a_patched_decode_step(tiny, graphs, pdl, fuse):
     from transformers import StaticCache
 
     batch, prompt = 4, 16
@@ -946,10 +991,15 @@ def test_cuda_graph_capture_of_a_patched_decode_step(tiny, graphs, pdl):
 
     with torch.inference_mode():
         want = replayed_step()
-        with warnings.catch_warnings(), patched(tiny, graphs=graphs, pdl=pdl):
+        with warnings.catch_warnings(), patched(tiny, graphs=graphs, pdl=pdl, fuse=fuse):
             _strict()
             got = replayed_step()
             layers = [m for m in tiny.model.layers.modules() if type(m) is TunedLinear]
+            groups = fusion.groups(tiny)
+            assert len(groups) == (2 * TINY["num_hidden_layers"] if fuse else 0)
+            layers += [group.linear for group in groups]
+            # Each layer's o and down, and q, k, v, gate and up either apart or as two fused products.
+            assert len(layers) == (4 if fuse else 7) * TINY["num_hidden_layers"]
             assert all(m.tuner_launchers for m in layers)
             assert all(run.variant.cfg.pdl == pdl for m in layers for run in m.tuner_launchers.values())
     assert _rel_err(got, want) < 2e-2

@@ -78,7 +78,7 @@ from torch.nn.modules.module import (
     _global_backward_hooks, _global_backward_pre_hooks, _global_forward_hooks, _global_forward_pre_hooks,
 )
 
-from tuner.runtime import dispatch, experts
+from tuner.runtime import dispatch, experts, fusion
 from tuner.backends.measure import gc_paused, paired_speedup, trimmed_mean
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -294,7 +294,7 @@ class TunedLinear(nn.Linear):
 
 
 def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compiled: bool = True,
-          pdl: bool = False, overlap: int = 0) -> nn.Module:
+          pdl: bool = False, overlap: int = 0, fuse: bool = False) -> nn.Module:
     """Route every bf16/fp16 CUDA `nn.Linear` of `model` through the tuned
     dispatch (module doc); returns `model`. `bias`: layers with a bias too
     (added after the product). `graphs`: the model's forwards are replayed
@@ -318,10 +318,22 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     (`tuner.runtime.experts`). `overlap=BYTES`: the layers run beside an
     all-reduce of that many bytes (tensor parallelism) and take the maps
     tuned for it (`overlap=allreduce:BYTES` keys) instead of the plain ones,
-    in eager calls and graph replays (a compiled graph runs `F.linear`)."""
+    in eager calls and graph replays (a compiled graph runs `F.linear`).
+    `fuse=True`: sibling projections of one input (q, k and v; gate and
+    up) compute one product over their weights stored together, routed
+    through the maps of that fused shape (`tuner.runtime.fusion`; their
+    outputs are column views of it); not yet timed on a GPU, so off by
+    default."""
     experts.patch_experts(model)
+    if fuse:
+        for m in model.modules():
+            _restore(m)
+        groups = fusion.fuse(model, _eligible)
+    else:
+        fusion.unfuse(model)
+        groups = []
     layers, biased = [], False
-    for m in model.modules():
+    for m in [*model.modules(), *(group.linear for group in groups)]:
         if _eligible(m) and (bias or m.bias is None):
             layers.append(m)
         elif _eligible(m):
@@ -388,6 +400,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     """Undo `patch`: every `TunedLinear` of `model` is an `nn.Linear` again,
     every experts block back on transformers' grouped products."""
     experts.unpatch_experts(model)
+    fusion.unfuse(model)
     for layer in model.modules():
         _restore(layer)
     return model
@@ -459,7 +472,8 @@ def check(model: nn.Module, workload: Callable[[], object], *, rounds: int = _CH
     per shape and M."""
     if rounds < 4:
         raise ValueError(f"check: rounds={rounds}: the estimate needs at least 4 (two of each order)")
-    layers = [m for m in model.modules() if type(m) is TunedLinear and (m.tuner_spans or m.tuner_compiled_spans)]
+    layers = [m for m in [*model.modules(), *(group.linear for group in fusion.groups(model))]
+              if type(m) is TunedLinear and (m.tuner_spans or m.tuner_compiled_spans)]
     spans = {layer: layer.tuner_spans for layer in layers}
     timed = {layer: _union(layer.tuner_spans, layer.tuner_compiled_spans) for layer in layers}
     call_pairs, forwards = _measure(model, timed, workload, rounds) if layers else ({}, {})
@@ -807,9 +821,9 @@ def host_us_per_call(paths: dict[str, Callable[[], object]], device: torch.devic
 
 @contextlib.contextmanager
 def patched(model: nn.Module, *, bias: bool = False, graphs: bool = False,
-            compiled: bool = True, pdl: bool = False, overlap: int = 0) -> Iterator[nn.Module]:
+            compiled: bool = True, pdl: bool = False, overlap: int = 0, fuse: bool = False) -> Iterator[nn.Module]:
     """`patch(model, ...)` with these options for the block, `unpatch(model)` after it."""
-    patch(model, bias=bias, graphs=graphs, compiled=compiled, pdl=pdl, overlap=overlap)
+    patch(model, bias=bias, graphs=graphs, compiled=compiled, pdl=pdl, overlap=overlap, fuse=fuse)
     try:
         yield model
     finally:

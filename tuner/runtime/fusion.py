@@ -1,0 +1,183 @@
+"""Sibling projections of one input as one product: `patch(model, fuse=True)`.
+
+A decoder layer's q, k and v projections read the same hidden states, and so
+do its MLP's gate and up projections. At few rows a product's time is the
+time to read its weight plus a launch and a ramp that a small weight does
+not amortise (`bench.roofline`, H100: Llama 3.1 8B's k and v projections
+ran at 0.47 of the DRAM floor, its q and o at 0.69, its gate and up at
+0.83, Gemma 3 27B's fused qkv at 0.82). One product over the siblings'
+weights together pays the launch once, on a weight as large as all of them:
+serving engines store these weights fused, transformers apart.
+
+`fuse(model, eligible)` copies each group's weights into one buffer, rows in
+order, and makes every layer's weight a view of its rows (parameters, state
+dict, hooks and `load_state_dict` stay as they were), then swaps the layers'
+class for `FusedSibling`. The first sibling called with an input computes
+the product of the whole buffer through the group's own `nn.Linear` (which
+`patch` routes through the maps of the fused shape, the family a shape file
+from `tuner shapes --from-config` lists); the others, called with that same
+tensor unchanged since, take their columns of it. A sibling called with
+another input, under autograd, inside a compiled graph, or after its weight
+stopped being a view of the buffer (`model.to(...)` makes new parameters),
+computes its own product as an `nn.Linear` does. `unfuse` swaps the classes
+back; the weights stay views of the buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Child names of one module whose layers read the same input (transformers'
+# attention and gated MLP blocks).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
+class FusedGroup:
+    """The weight buffer of sibling layers (rows: theirs in order), the
+    `nn.Linear` over it, and the product last computed with it until each
+    sibling has taken its columns."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        first = layers[0].weight
+        buffer = torch.cat([layer.weight.detach() for layer in layers])
+        self.layers = layers
+        self.columns: dict[nn.Linear, tuple[int, int]] = {}
+        row = 0
+        for layer in layers:
+            rows = layer.out_features
+            layer.weight = nn.Parameter(buffer[row:row + rows], requires_grad=layer.weight.requires_grad)
+            self.columns[layer] = (row, row + rows)
+            row += rows
+        self.linear = nn.Linear(first.shape[1], row, bias=False, device="meta", dtype=first.dtype)
+        self.linear.weight = nn.Parameter(buffer, requires_grad=False)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._input: torch.Tensor | None = None
+        self._version = -1
+        self._out: torch.Tensor | None = None
+        self._waiting: set[nn.Linear] = set()
+
+    def __getstate__(self) -> dict:
+        # The product in flight belongs to the forward that made it.
+        state = dict(self.__dict__)
+        state.update(_input=None, _version=-1, _out=None, _waiting=set())
+        return state
+
+    def intact(self) -> bool:
+        """Whether every sibling's weight is still its rows of the buffer."""
+        buffer = self.linear.weight
+        base, row_bytes = buffer.data_ptr(), buffer.stride(0) * buffer.element_size()
+        return all(layer._parameters["weight"].data_ptr() == base + lo * row_bytes
+                   and layer._parameters["weight"].dtype == buffer.dtype for layer, (lo, _) in self.columns.items())
+
+    def columns_for(self, layer: nn.Linear, input: torch.Tensor) -> torch.Tensor | None:
+        """`layer`'s product of `input` as columns of the group's product (None:
+        `layer` computes its own). A sibling still waiting for the product in
+        hand takes its columns if its input is that product's, unchanged
+        since, else computes its own and leaves the product to the others;
+        one not waiting (the product's first, or its columns taken) starts
+        a new product: a forward that stopped halfway leaves none behind for long."""
+        lo, hi = self.columns[layer]
+        if layer in self._waiting:
+            if input is not self._input or input._version != self._version:
+                return None
+            out = self._out
+            self._waiting.discard(layer)
+            if not self._waiting:
+                self._clear()
+            return out[..., lo:hi]
+        if not self.intact():
+            return None
+        out = self.linear(input)
+        self._input, self._version, self._out = input, input._version, out
+        self._waiting = set(self.layers) - {layer}
+        return out[..., lo:hi]
+
+
+class FusedSibling(nn.Linear):
+    """An `nn.Linear` of a `FusedGroup`: its product is its group's columns where it may be."""
+
+    tuner_group: FusedGroup
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        w = self._parameters["weight"]
+        if not (_dynamo_compiling() or (torch.is_grad_enabled() and w.requires_grad)
+                or type(input) is not torch.Tensor or input.dtype != w.dtype):
+            out = self.tuner_group.columns_for(self, input)
+            if out is not None:
+                return out
+        return F.linear(input, w, self._parameters["bias"])
+
+
+def fuse(model: nn.Module, eligible: Callable[[nn.Module], bool]) -> list[FusedGroup]:
+    """Fuse every group of `SIBLINGS` children of a module of `model` that
+    are all `eligible`, without a bias, of one width, dtype and device (a
+    group fused before is kept as it is while intact); the model's groups."""
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        for names in SIBLINGS:
+            layers = [children.get(name) for name in names]
+            if any(layer is None for layer in layers) or _fused(layers):
+                continue
+            for layer in layers:
+                if type(layer) is FusedSibling:
+                    _plain(layer)
+            if all(_fusible(layer, layers[0], eligible) for layer in layers):
+                group = FusedGroup(layers)
+                for layer in layers:
+                    layer.__class__ = FusedSibling
+                    layer.tuner_group = group
+    return groups(model)
+
+
+def sibling_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
+    """(names joined by "+", N, K) of each distinct shape `fuse` may give a
+    group of `model`'s siblings: the families its fused products look up."""
+    found: dict[tuple[int, int], str] = {}
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        for names in SIBLINGS:
+            if all(isinstance(children.get(name), nn.Linear) for name in names):
+                shape = (sum(children[name].out_features for name in names), children[names[0]].in_features)
+                found.setdefault(shape, "+".join(names))
+    return [(label, n, k) for (n, k), label in found.items()]
+
+
+def groups(model: nn.Module) -> list[FusedGroup]:
+    """The fused groups of `model`'s layers, in module order."""
+    found = {id(m.tuner_group): m.tuner_group for m in model.modules() if type(m) is FusedSibling}
+    return list(found.values())
+
+
+def unfuse(model: nn.Module) -> nn.Module:
+    """Every `FusedSibling` of `model` an `nn.Linear` again (its weight stays a
+    view of its group's buffer)."""
+    for layer in model.modules():
+        if type(layer) is FusedSibling:
+            _plain(layer)
+    return model
+
+
+def _fused(layers: list[nn.Module]) -> bool:
+    """Whether `layers` are one intact group already, in this order."""
+    first = layers[0]
+    return (all(type(layer) is FusedSibling for layer in layers) and first.tuner_group.layers == layers
+            and first.tuner_group.intact())
+
+
+def _plain(layer: FusedSibling) -> None:
+    layer.__class__ = nn.Linear
+    del layer.tuner_group
+
+
+def _fusible(layer: nn.Module, first: nn.Module, eligible: Callable[[nn.Module], bool]) -> bool:
+    w, w0 = layer.weight, first.weight
+    return (eligible(layer) and layer.bias is None and w.dim() == 2 and w.is_contiguous()
+            and layer.in_features == first.in_features and w.dtype == w0.dtype and w.device == w0.device)
