@@ -10,17 +10,19 @@ weights together pays the launch once, on a weight as large as all of them:
 serving engines store these weights fused, transformers apart.
 
 `fuse(model, eligible)` copies each group's weights into one buffer, rows in
-order, and makes every layer's weight a view of its rows (parameters, state
-dict, hooks and `load_state_dict` stay as they were), then swaps the layers'
-class for `FusedSibling`. The first sibling called with an input computes
-the product of the whole buffer through the group's own `nn.Linear` (which
-`patch` routes through the maps of the fused shape, the family a shape file
-from `tuner shapes --from-config` lists); the others, called with that same
-tensor unchanged since, take their columns of it. A sibling called with
-another input, under autograd, inside a compiled graph, or after its weight
-stopped being a view of the buffer (`model.to(...)` makes new parameters),
-computes its own product as an `nn.Linear` does. `unfuse` swaps the classes
-back; the weights stay views of the buffer.
+order, and makes every layer's weight a new parameter viewing its rows (the
+names, values, state dict, hooks and `load_state_dict` stay as they were),
+then swaps the layers' class for `FusedSibling`. The first sibling called with an input
+computes the product of the whole buffer through the group's own
+`nn.Linear` (which `patch` routes through the maps of the fused shape, the
+family a shape file from `tuner shapes --from-config` lists); the others,
+called with that same tensor unchanged since (an inference tensor keeps no
+version: that same tensor), take their columns of it. A sibling called
+with another input, under autograd, inside a compiled graph, or after its
+weight stopped being a view of the buffer (`model.to(...)` and
+`copy.deepcopy` make new parameters; `torch.save` keeps the views)
+computes its own product as an `nn.Linear` does. `unfuse` swaps the
+classes back; the weights stay views of the buffer.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class FusedGroup:
         a new product: a forward that stopped halfway leaves none behind for long."""
         lo, hi = self.columns[layer]
         if layer in self._waiting:
-            if input is not self._input or input._version != self._version:
+            if input is not self._input or _version(input) != self._version:
                 return None
             out = self._out
             self._waiting.discard(layer)
@@ -96,7 +98,7 @@ class FusedGroup:
         if not self.intact():
             return None
         out = self.linear(input)
-        self._input, self._version, self._out = input, input._version, out
+        self._input, self._version, self._out = input, _version(input), out
         self._waiting = set(self.layers) - {layer}
         return out[..., lo:hi]
 
@@ -170,6 +172,12 @@ def _fused(layers: list[nn.Module]) -> bool:
     first = layers[0]
     return (all(type(layer) is FusedSibling for layer in layers) and first.tuner_group.layers == layers
             and first.tuner_group.intact())
+
+
+def _version(t: torch.Tensor) -> int:
+    """`t`'s version counter; an inference tensor keeps none (and a module
+    does not write its input between its siblings' calls)."""
+    return -2 if t.is_inference() else t._version
 
 
 def _plain(layer: FusedSibling) -> None:
