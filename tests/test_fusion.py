@@ -152,3 +152,15 @@ def test_a_compiled_forward_computes_each_sibling_apart():
         got = torch.compile(layer, backend="eager")(x)
     torch.testing.assert_close(got, want)
     assert calls == [0]  # the eager call's product only
+
+
+def test_siblings_fused_inside_inference_mode_run_outside_it():
+    model = _llama()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+    with torch.inference_mode():
+        fusion.fuse(model, lambda m: True)
+    assert not model.model.layers[0].self_attn.q_proj.weight.is_inference()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want)

@@ -47,7 +47,10 @@ class FusedGroup:
 
     def __init__(self, layers: list[nn.Linear]) -> None:
         first = layers[0].weight
-        buffer = torch.cat([layer.weight.detach() for layer in layers])
+        # A normal tensor even when fused inside inference mode: the model
+        # may run outside it after.
+        with torch.inference_mode(False):
+            buffer = torch.cat([layer.weight.detach() for layer in layers])
         self.layers = layers
         self.columns: dict[nn.Linear, tuple[int, int]] = {}
         row = 0
