@@ -72,8 +72,8 @@ WAIT_S = 0.5
 REFINE_ROUNDS = 4
 # Under a deadline a refinement point is measured however late while
 # cuBLAS takes less than this (ms) at the measured M below it: its calls
-# cost a fraction of a second to time, and a kernel starting a tile row at
-# few rows can lose by a tenth.
+# cost a fraction of a second to time, and at few rows a tile row a kernel
+# barely fills is a large share of its time.
 REFINE_ALWAYS_MS = 1.0
 # A kernel range is measured between two of its points while its lead over
 # cuBLAS at either is under THIN_MARGIN and they lie more than DENSE_RATIO apart.
