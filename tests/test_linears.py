@@ -183,6 +183,27 @@ def test_tune_model_tunes_every_linear_shape_in_one_step(tmp_path):
     assert _cli("tune", "--db", str(db)).returncode == 2
 
 
+def test_tune_model_fuse_also_tunes_the_fused_siblings_products(tmp_path):
+    """Llama's q, k, v and gate, up have no bias: two fused shapes; Qwen2's
+    q, k, v have one, and its fused gate and up have its lm_head's shape,
+    which the file names once."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**SMALL, "model_type": "llama", "vocab_size": 3000}))
+    db = tmp_path / "t.db"
+    proc = _cli("tune", "--model", str(config), "--fuse", "--m", "16", "--no-ladder", "--trials", "2",
+                "--backend", "model", "--db", str(db))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    winners = json.loads(_cli("show", "--json", "--db", str(db)).stdout)["items"]
+    assert {(w["key"]["n"], w["key"]["k"]) for w in winners} >= {(512 + 2 * 128, 512), (2 * 1024, 512)}
+    qwen = tmp_path / "qwen.json"
+    qwen.write_text(json.dumps(SMALL))
+    text = shapes_from_model(qwen, [16], fuse=True)
+    assert "fused.q_proj+k_proj+v_proj" not in text
+    assert "# fused.gate_proj+up_proj: 2048 512, as lm_head above" in text.splitlines()
+    proc = _cli("shapes", "--from-config", str(config), "--fuse")
+    assert proc.returncode == 2 and "--fuse goes with --from-model" in proc.stdout
+
+
 def test_the_e2e_bench_tunes_the_m_its_runs_call():
     from bench.e2e import shape_file
 

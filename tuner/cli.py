@@ -78,6 +78,9 @@ def tune(
         None, "--model", help="Tune every linear layer of a model instead: a config.json, a shipped "
         "config's name or package.module:attr (see `shapes --from-model`)."),
     model_m: str = typer.Option("1,16,128,512,2048,8192", "--m", help="With --model: token counts M."),
+    fuse: bool = typer.Option(
+        False, "--fuse", help="With --model: also the products patch(model, fuse=True) computes (q, k "
+        "and v; gate and up: one product over their weights together)."),
     backend: str = typer.Option("model", help="Measurement backend: model or gpu."),
     arch: str = typer.Option("sm90", help="Target architecture: sm90 or sm100."),
     trials: Optional[int] = typer.Option(
@@ -132,7 +135,7 @@ def tune(
     # The whole file is checked before the database is opened: a bad line
     # stores nothing.
     try:
-        entries = parse_shapes(shapes) if model is None else parse_text(_model_shapes(model, model_m), model)
+        entries = parse_shapes(shapes) if model is None else parse_text(_model_shapes(model, model_m, fuse), model)
     except ShapeFileError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -442,6 +445,8 @@ def shapes_(
         "package.module:attr (an nn.Module or a function returning one)."),
     m: str = typer.Option("1,16,128,512,2048,8192", help="Token counts M, comma-separated."),
     ep: int = typer.Option(1, "--ep", min=1, help="With --from-config: GPUs the experts are spread over."),
+    fuse: bool = typer.Option(
+        False, "--fuse", help="With --from-model: also the products patch(model, fuse=True) computes."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Shape file to write (default: stdout)."),
 ) -> None:
     """Write a shape file of a model's GEMMs.
@@ -454,8 +459,10 @@ def shapes_(
 
     if (from_config is None) == (from_model is None):
         _fail("give one of --from-config CONFIG and --from-model MODEL")
+    if fuse and from_model is None:
+        _fail("--fuse goes with --from-model (a config's shapes are fused already)")
     if from_model is not None:
-        text = _model_shapes(from_model, m)
+        text = _model_shapes(from_model, m, fuse)
         if output is not None:
             try:
                 output.write_text(text)
@@ -479,13 +486,14 @@ def _m_values(text: str) -> list[int]:
         _fail(f"--m must be comma-separated integers, got {text!r}")
 
 
-def _model_shapes(source: str, m: str) -> str:
-    """The shape file text of a model's linear layers, or a one-line error naming the source."""
+def _model_shapes(source: str, m: str, fuse: bool) -> str:
+    """The shape file text of a model's linear layers (and with `fuse`, their
+    fused siblings'), or a one-line error naming the source."""
     from tuner.runtime.linears import ModelSourceError, shapes_from_model
 
     m_values = _m_values(m)
     try:
-        return shapes_from_model(source, m_values)
+        return shapes_from_model(source, m_values, fuse)
     except ModelSourceError as exc:
         _fail(str(exc))
     except ValueError as exc:

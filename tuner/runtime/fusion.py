@@ -144,13 +144,16 @@ def fuse(model: nn.Module, eligible: Callable[[nn.Module], bool]) -> list[FusedG
 
 def sibling_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
     """(names joined by "+", N, K) of each distinct shape `fuse` may give a
-    group of `model`'s siblings: the families its fused products look up."""
+    group of `model`'s siblings (linear, without a bias, of one width): the
+    families its fused products look up."""
     found: dict[tuple[int, int], str] = {}
     for parent in model.modules():
         children = dict(parent.named_children())
         for names in SIBLINGS:
-            if all(isinstance(children.get(name), nn.Linear) for name in names):
-                shape = (sum(children[name].out_features for name in names), children[names[0]].in_features)
+            layers = [children.get(name) for name in names]
+            if all(isinstance(layer, nn.Linear) and layer.bias is None
+                   and layer.in_features == layers[0].in_features for layer in layers):
+                shape = (sum(layer.out_features for layer in layers), layers[0].in_features)
                 found.setdefault(shape, "+".join(names))
     return [(label, n, k) for (n, k), label in found.items()]
 

@@ -168,8 +168,12 @@ def _qualified(path: str, depth: int) -> str:
     return ".".join(names[-depth:]) if names else path.rpartition(".")[2] or "linear"
 
 
-def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
-    """The shape file text of every distinct linear (N, K) of the model of `source`."""
+def shapes_from_model(source: str | Path, m_values: list[int], fuse: bool = False) -> str:
+    """The shape file text of every distinct linear (N, K) of the model of
+    `source`; with `fuse`, and of the products `patch(fuse=True)` computes
+    over sibling layers' weights together (`tuner.runtime.fusion`)."""
+    from tuner.runtime.fusion import sibling_shapes
+
     if not m_values or any(m < 1 for m in m_values):
         raise ValueError("M values must be positive integers")
     name = model_name(source)
@@ -182,12 +186,23 @@ def shapes_from_model(source: str | Path, m_values: list[int]) -> str:
     ms = ",".join(map(str, m_values))
     lines = [f"# {name}: the {len(shapes)} distinct linear-layer shapes (N K) of the model as built "
              f"from {Path(path).name if path else source}"]
-    for s in shapes:
-        line = f"{ms} {s.n} {s.k} dtype={dtype} name={name}.{s.label}"
-        why = _outside_the_pool(s, dtype)
+
+    def listed(shape: LinearShape, label: str) -> str:
+        line = f"{ms} {shape.n} {shape.k} dtype={dtype} name={name}.{label}"
+        why = _outside_the_pool(shape, dtype)
         # A shape no kernel can take (a gate of one output) stays in the file
         # as a comment, so that the file still tunes and says what runs cuBLAS.
-        lines.append(line if why is None else f"# {line}: runs cuBLAS, {why}")
+        return line if why is None else f"# {line}: runs cuBLAS, {why}"
+
+    lines += [listed(s, s.label) for s in shapes]
+    fused = sibling_shapes(model) if fuse else []
+    if fused:
+        lines.append("# fused siblings (patch(model, fuse=True)): one product over their weights together")
+    known = {(s.n, s.k): s.label for s in shapes}
+    for label, n, k in fused:
+        # A shape listed above is one family already, tuned under that name.
+        lines.append(f"# fused.{label}: {n} {k}, as {known[n, k]} above" if (n, k) in known
+                     else listed(LinearShape(n, k, (label,)), f"fused.{label}"))
     top_k, grouped, other = expert_keys(model, load_config(path) if path else {})
     if grouped:
         lines.append(f"# experts (3-D weights, y = x @ W[e].T): M = rows routed, top-{top_k} x tokens")
