@@ -403,7 +403,13 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
         _patch_like(eager, tuned, graphs=False, compiled=False, pdl=args.pdl, fuse=args.fuse)
         roles = _roles(eager)
     patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # A fused group's product is one linear call (named for its siblings' module) in place of theirs.
+    for name, m in tuned.named_modules():
+        group = m.tuner_group if type(m) is fusion.FusedSibling else None
+        if group and m is group.layers[0] and hasattr(group.linear, "tuner_spans"):
+            patched_layers[f"{name.rpartition('.')[0]}.fused"] = group.linear
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) - sum(
+        len(group.layers) - 1 for group in fusion.groups(tuned))
     warned = [str(w.message) for w in caught if issubclass(w.category, PatchWarning)]  # not transformers' own
     blocks = experts.grouped_blocks(tuned)
     record = {"model": name, "layers": args.layers, "graphs": args.graphs, "patch_warnings": warned,
