@@ -129,7 +129,28 @@ def test_a_fused_model_pickles_fused_and_deep_copies_apart_until_fused_again():
             torch.testing.assert_close(copied(ids).logits, want)
 
 
-def test_only_eligible_siblings_of_one_width_without_a_bias_are_fused():
+def test_siblings_with_a_bias_each_fuse_their_biases_too():
+    """Qwen2's q, k and v have a bias each: the group's product adds them all."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("qwen2", **TINY)).eval()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+        groups = fusion.fuse(model, lambda m: True)
+        assert [g.linear.bias is not None for g in groups] == [True, False, True, False]
+        attn = model.model.layers[0].self_attn
+        assert attn.v_proj.bias.data_ptr() == groups[0].linear.bias[128 + 64:].data_ptr()
+        calls = _products(groups)
+        torch.testing.assert_close(model(ids).logits, want)
+    assert calls == [0, 1, 2, 3]
+    # A bias replaced (not written in place) leaves the group: each layer computes its own.
+    attn.k_proj.bias = nn.Parameter(attn.k_proj.bias.detach().clone())
+    assert not groups[0].intact()
+
+
+def test_only_eligible_siblings_of_one_width_and_bias_are_fused():
     class Attn(nn.Module):
         def __init__(self, bias=False, k_width=32):
             super().__init__()

@@ -184,9 +184,8 @@ def test_tune_model_tunes_every_linear_shape_in_one_step(tmp_path):
 
 
 def test_tune_model_fuse_also_tunes_the_fused_siblings_products(tmp_path):
-    """Llama's q, k, v and gate, up have no bias: two fused shapes; Qwen2's
-    q, k, v have one, and its fused gate and up have its lm_head's shape,
-    which the file names once."""
+    """Llama's q, k, v and gate, up: two fused shapes; Qwen2's fused gate
+    and up have its lm_head's shape, which the file names once."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**SMALL, "model_type": "llama", "vocab_size": 3000}))
     db = tmp_path / "t.db"
@@ -198,7 +197,7 @@ def test_tune_model_fuse_also_tunes_the_fused_siblings_products(tmp_path):
     qwen = tmp_path / "qwen.json"
     qwen.write_text(json.dumps(SMALL))
     text = shapes_from_model(qwen, [16], fuse=True)
-    assert "fused.q_proj+k_proj+v_proj" not in text
+    assert "16 768 512 dtype=bf16 name=small_qwen.fused.q_proj+k_proj+v_proj" in text.splitlines()
     assert "# fused.gate_proj+up_proj: 2048 512, as lm_head above" in text.splitlines()
     proc = _cli("shapes", "--from-config", str(config), "--fuse")
     assert proc.returncode == 2 and "--fuse goes with --from-model" in proc.stdout

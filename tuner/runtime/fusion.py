@@ -10,9 +10,10 @@ weights together pays the launch once, on a weight as large as all of them:
 serving engines store these weights fused, transformers apart.
 
 `fuse(model, eligible)` copies each group's weights into one buffer, rows in
-order, and makes every layer's weight a new parameter viewing its rows (the
-names, values, state dict, hooks and `load_state_dict` stay as they were),
-then swaps the layers' class for `FusedSibling`. The first sibling called with an input
+order (and their biases, where each has one, into another), and makes
+every layer's weight a new parameter viewing its rows (the names, values,
+state dict, hooks and `load_state_dict` stay as they were), then swaps the
+layers' class for `FusedSibling`. The first sibling called with an input
 computes the product of the whole buffer through the group's own
 `nn.Linear` (which `patch` routes through the maps of the fused shape, the
 family a shape file from `tuner shapes --from-config` lists); the others,
@@ -47,20 +48,26 @@ class FusedGroup:
 
     def __init__(self, layers: list[nn.Linear]) -> None:
         first = layers[0].weight
-        # A normal tensor even when fused inside inference mode: the model
+        biased = layers[0].bias is not None
+        # Normal tensors even when fused inside inference mode: the model
         # may run outside it after.
         with torch.inference_mode(False):
             buffer = torch.cat([layer.weight.detach() for layer in layers])
+            biases = torch.cat([layer.bias.detach() for layer in layers]) if biased else None
         self.layers = layers
         self.columns: dict[nn.Linear, tuple[int, int]] = {}
         row = 0
         for layer in layers:
             rows = layer.out_features
             layer.weight = nn.Parameter(buffer[row:row + rows], requires_grad=layer.weight.requires_grad)
+            if biased:
+                layer.bias = nn.Parameter(biases[row:row + rows], requires_grad=layer.bias.requires_grad)
             self.columns[layer] = (row, row + rows)
             row += rows
-        self.linear = nn.Linear(first.shape[1], row, bias=False, device="meta", dtype=first.dtype)
+        self.linear = nn.Linear(first.shape[1], row, bias=biased, device="meta", dtype=first.dtype)
         self.linear.weight = nn.Parameter(buffer, requires_grad=False)
+        if biased:
+            self.linear.bias = nn.Parameter(biases, requires_grad=False)
         self._clear()
 
     def _clear(self) -> None:
@@ -76,11 +83,9 @@ class FusedGroup:
         return state
 
     def intact(self) -> bool:
-        """Whether every sibling's weight is still its rows of the buffer."""
-        buffer = self.linear.weight
-        base, row_bytes = buffer.data_ptr(), buffer.stride(0) * buffer.element_size()
-        return all(layer._parameters["weight"].data_ptr() == base + lo * row_bytes
-                   and layer._parameters["weight"].dtype == buffer.dtype for layer, (lo, _) in self.columns.items())
+        """Whether every sibling's weight (and bias) is still its rows of the buffer."""
+        return all(_views(self.linear._parameters[name], layer._parameters[name], lo)
+                   for name in ("weight", "bias") for layer, (lo, _) in self.columns.items())
 
     def columns_for(self, layer: nn.Linear, input: torch.Tensor) -> torch.Tensor | None:
         """`layer`'s product of `input` as columns of the group's product (None:
@@ -123,8 +128,9 @@ class FusedSibling(nn.Linear):
 
 def fuse(model: nn.Module, eligible: Callable[[nn.Module], bool]) -> list[FusedGroup]:
     """Fuse every group of `SIBLINGS` children of a module of `model` that
-    are all `eligible`, without a bias, of one width, dtype and device (a
-    group fused before is kept as it is while intact); the model's groups."""
+    are all `eligible`, of one width, dtype and device, with a bias each or
+    none (a group fused before is kept as it is while intact); the model's
+    groups."""
     for parent in model.modules():
         children = dict(parent.named_children())
         for names in SIBLINGS:
@@ -144,14 +150,14 @@ def fuse(model: nn.Module, eligible: Callable[[nn.Module], bool]) -> list[FusedG
 
 def sibling_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
     """(names joined by "+", N, K) of each distinct shape `fuse` may give a
-    group of `model`'s siblings (linear, without a bias, of one width): the
-    families its fused products look up."""
+    group of `model`'s siblings (linear, of one width, a bias each or none):
+    the families its fused products look up."""
     found: dict[tuple[int, int], str] = {}
     for parent in model.modules():
         children = dict(parent.named_children())
         for names in SIBLINGS:
             layers = [children.get(name) for name in names]
-            if all(isinstance(layer, nn.Linear) and layer.bias is None
+            if all(isinstance(layer, nn.Linear) and (layer.bias is None) == (layers[0].bias is None)
                    and layer.in_features == layers[0].in_features for layer in layers):
                 shape = (sum(layer.out_features for layer in layers), layers[0].in_features)
                 found.setdefault(shape, "+".join(names))
@@ -180,6 +186,14 @@ def _fused(layers: list[nn.Module]) -> bool:
             and first.tuner_group.intact())
 
 
+def _views(whole: torch.Tensor | None, part: torch.Tensor | None, row: int) -> bool:
+    """Whether `part` is `whole` from row `row` on (both None: no bias)."""
+    if whole is None or part is None:
+        return whole is part
+    return (part.dtype == whole.dtype
+            and part.data_ptr() == whole.data_ptr() + row * whole.stride(0) * whole.element_size())
+
+
 def _version(t: torch.Tensor) -> int:
     """`t`'s version counter; an inference tensor keeps none (and a module
     does not write its input between its siblings' calls)."""
@@ -193,5 +207,6 @@ def _plain(layer: FusedSibling) -> None:
 
 def _fusible(layer: nn.Module, first: nn.Module, eligible: Callable[[nn.Module], bool]) -> bool:
     w, w0 = layer.weight, first.weight
-    return (eligible(layer) and layer.bias is None and w.dim() == 2 and w.is_contiguous()
-            and layer.in_features == first.in_features and w.dtype == w0.dtype and w.device == w0.device)
+    return (eligible(layer) and (layer.bias is None) == (first.bias is None) and w.dim() == 2
+            and w.is_contiguous() and layer.in_features == first.in_features and w.dtype == w0.dtype
+            and w.device == w0.device)

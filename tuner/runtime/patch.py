@@ -320,10 +320,10 @@ def patch(model: nn.Module, *, bias: bool = False, graphs: bool = False, compile
     tuned for it (`overlap=allreduce:BYTES` keys) instead of the plain ones,
     in eager calls and graph replays (a compiled graph runs `F.linear`).
     `fuse=True`: sibling projections of one input (q, k and v; gate and
-    up) compute one product over their weights stored together, routed
-    through the maps of that fused shape (`tuner.runtime.fusion`; their
-    outputs are column views of it); not yet timed on a GPU, so off by
-    default."""
+    up) compute one product over their weights stored together
+    (`tuner.runtime.fusion`), a layer of the fused shape patched like any
+    other (one with biases only under `bias`); their outputs are column
+    views of that product. Not yet timed on a GPU, so off by default."""
     experts.patch_experts(model)
     if fuse:
         for m in model.modules():
