@@ -42,9 +42,9 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 class FusedGroup:
-    """The weight buffer of sibling layers (rows: theirs in order), the
-    `nn.Linear` over it, and the product last computed with it until each
-    sibling has taken its columns."""
+    """The weight buffer of sibling layers (rows: theirs in order) and their
+    biases', the `nn.Linear` over them, and the product last computed with
+    it until each sibling has taken its columns."""
 
     def __init__(self, layers: list[nn.Linear]) -> None:
         first = layers[0].weight
