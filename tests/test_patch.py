@@ -942,14 +942,15 @@ def test_check_times_every_patched_shape_inside_the_forward_and_keeps_its_verdic
 
 
 @pytest.mark.gpu
-def test_compile_fullgraph_of_a_patched_decoder_layer(tiny):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compile_fullgraph_of_a_patched_decoder_layer(tiny, fuse):
     layer = tiny.model.layers[0]
     h = torch.randn(2, 32, TINY["hidden_size"], device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(32, device="cuda")[None].expand(2, -1)
     with torch.inference_mode():
         pe = tiny.model.rotary_emb(h, pos)
         want = layer(h, position_embeddings=pe, attention_mask=None)
-        with warnings.catch_warnings(), patched(tiny):
+        with warnings.catch_warnings(), patched(tiny, fuse=fuse):
             _strict()
             got = torch.compile(layer, fullgraph=True)(h, position_embeddings=pe, attention_mask=None)
     want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
