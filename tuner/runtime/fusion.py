@@ -131,36 +131,30 @@ def fuse(model: nn.Module, eligible: Callable[[nn.Module], bool]) -> list[FusedG
     are all `eligible`, of one width, dtype and device, with a bias each or
     none (a group fused before is kept as it is while intact); the model's
     groups."""
-    for parent in model.modules():
-        children = dict(parent.named_children())
-        for names in SIBLINGS:
-            layers = [children.get(name) for name in names]
-            if any(layer is None for layer in layers) or _fused(layers):
-                continue
+    for _, layers in _siblings(model):
+        if _fused(layers):
+            continue
+        for layer in layers:
+            if type(layer) is FusedSibling:
+                _plain(layer)
+        if all(_fusible(layer, layers[0], eligible) for layer in layers):
+            group = FusedGroup(layers)
             for layer in layers:
-                if type(layer) is FusedSibling:
-                    _plain(layer)
-            if all(_fusible(layer, layers[0], eligible) for layer in layers):
-                group = FusedGroup(layers)
-                for layer in layers:
-                    layer.__class__ = FusedSibling
-                    layer.tuner_group = group
+                layer.__class__ = FusedSibling
+                layer.tuner_group = group
     return groups(model)
 
 
 def sibling_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
     """(names joined by "+", N, K) of each distinct shape `fuse` may give a
-    group of `model`'s siblings (linear, of one width, a bias each or none):
+    group of `model`'s siblings (as `fuse` groups them, any nn.Linear eligible):
     the families its fused products look up."""
     found: dict[tuple[int, int], str] = {}
-    for parent in model.modules():
-        children = dict(parent.named_children())
-        for names in SIBLINGS:
-            layers = [children.get(name) for name in names]
-            if all(isinstance(layer, nn.Linear) and (layer.bias is None) == (layers[0].bias is None)
-                   and layer.in_features == layers[0].in_features for layer in layers):
-                shape = (sum(layer.out_features for layer in layers), layers[0].in_features)
-                found.setdefault(shape, "+".join(names))
+    linear = lambda m: isinstance(m, nn.Linear)  # noqa: E731
+    for names, layers in _siblings(model):
+        if all(_fusible(layer, layers[0], linear) for layer in layers):
+            shape = (sum(layer.out_features for layer in layers), layers[0].in_features)
+            found.setdefault(shape, "+".join(names))
     return [(label, n, k) for (n, k), label in found.items()]
 
 
@@ -177,6 +171,15 @@ def unfuse(model: nn.Module) -> nn.Module:
         if type(layer) is FusedSibling:
             _plain(layer)
     return model
+
+
+def _siblings(model: nn.Module):
+    """(names, layers) of each `SIBLINGS` group of children that a module of `model` has all of."""
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        for names in SIBLINGS:
+            if all(name in children for name in names):
+                yield names, [children[name] for name in names]
 
 
 def _fused(layers: list[nn.Module]) -> bool:
@@ -206,7 +209,9 @@ def _plain(layer: FusedSibling) -> None:
 
 
 def _fusible(layer: nn.Module, first: nn.Module, eligible: Callable[[nn.Module], bool]) -> bool:
+    """Whether `layer` may share a group with `first` (itself `fusible`, checked first)."""
+    if not eligible(layer):
+        return False
     w, w0 = layer.weight, first.weight
-    return (eligible(layer) and (layer.bias is None) == (first.bias is None) and w.dim() == 2
-            and w.is_contiguous() and layer.in_features == first.in_features and w.dtype == w0.dtype
-            and w.device == w0.device)
+    return ((layer.bias is None) == (first.bias is None) and w.dim() == 2 and w.is_contiguous()
+            and layer.in_features == first.in_features and w.dtype == w0.dtype and w.device == w0.device)
