@@ -197,7 +197,7 @@ def shapes_from_model(source: str | Path, m_values: list[int], fuse: bool = Fals
     lines += [listed(s, s.label) for s in shapes]
     fused = sibling_shapes(model) if fuse else []
     if fused:
-        lines.append("# fused siblings (patch(model, fuse=True)): one product over their weights together")
+        lines.append("# fused siblings, one product each under patch(model, fuse=True):")
     known = {(s.n, s.k): s.label for s in shapes}
     for label, n, k in fused:
         # A shape listed above is one family already, tuned under that name.
