@@ -70,17 +70,18 @@ class FusedGroup:
             self.linear.bias = nn.Parameter(biases, requires_grad=False)
         self._clear()
 
+    @staticmethod
+    def _idle() -> dict:
+        """The state with no product in hand: its input, that input's
+        version, the product, the siblings yet to take their columns."""
+        return {"_input": None, "_version": -1, "_out": None, "_waiting": set()}
+
     def _clear(self) -> None:
-        self._input: torch.Tensor | None = None
-        self._version = -1
-        self._out: torch.Tensor | None = None
-        self._waiting: set[nn.Linear] = set()
+        self.__dict__.update(self._idle())
 
     def __getstate__(self) -> dict:
         # The product in flight belongs to the forward that made it.
-        state = dict(self.__dict__)
-        state.update(_input=None, _version=-1, _out=None, _waiting=set())
-        return state
+        return self.__dict__ | self._idle()
 
     def intact(self) -> bool:
         """Whether every sibling's weight (and bias) is still its rows of the buffer."""
