@@ -5,7 +5,7 @@ patched (`tuner.patch`), eager and under torch.compile.
                         [--models gemma-3-27b,llama-3.1-8b,qwen2.5-7b] [--layers 2]
                         [--prefill 1x512,4x1024|none] [--decode 1,16] [--steps 64] [--prompt 128]
                         [--rounds 300] [--decode-rounds 20] [--check-rounds 30]
-                        [--modes eager,compiled] [--graphs] [--pdl] [--fuse]
+                        [--modes eager,compiled] [--graphs] [--pdl] [--fuse] [--fused-baseline]
                         [--out bench/results]
 
 Each model is built by `transformers` from its shipped config
@@ -85,7 +85,10 @@ kernel's weight loads start while the kernel before it drains), to tell
 what that is worth inside a step against a run without it. `--fuse`
 patches with `patch(fuse=True)`: q, k and v, and gate and up, each one
 product over their weights together (`tuner.runtime.fusion`), looked up in
-the fused shapes' families, which `--tune gpu` then tunes too.
+the fused shapes' families, which `--tune gpu` then tunes too. Part of
+what that gains is the fusing itself, which a serving engine already does
+(it stores these weights fused): `--fused-baseline` fuses the unpatched
+copy's siblings too, on cuBLAS, so the ratio is the kernels' alone.
 Decode at the DRAM floor (8 decoder layers, batches 1, 4 and 16, no prefill
 case; `--models` one at a time fits the GPU machine's limit per command):
 
@@ -95,9 +98,9 @@ case; `--models` one at a time fits the GPU machine's limit per command):
 those it was tuned at, batch 4 among them; a family DB lacks runs cuBLAS in
 both variants); `--tune gpu` (the default) first tunes those keys into it.
 
-Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs][-Nlayers][-pdl][-fuse].json` (`$OUT`
+Writes `<out>/<device-slug>-e2e[-MODELS][-MODES][-graphs][-Nlayers][-pdl][-fuse][-fusedbase].json` (`$OUT`
 instead of `--out` when set; the suffixes name a subset of models or modes, a
-layer count other than 2, pdl builds, fused siblings, and the file
+layer count other than 2, pdl builds, fused siblings, a fused baseline; the file
 is rewritten after every case, so a run cut short keeps what it measured):
 per model what the check measured, and per case the tokens/s of each
 variant, the speedup, the errors, and how many linear calls of a forward may
@@ -293,9 +296,12 @@ class _Role:
     model. It owns a KV cache of its own (keyed by the role, as a copy's is),
     and the roles trade variants like copies (`_swap`)."""
 
-    def __init__(self, model: torch.nn.Module, layers: list, patched: bool) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list, patched: bool, fused_baseline: bool = False) -> None:
         self.model, self._layers, self.patched = model, layers, patched
         self._siblings = [m for m in model.modules() if type(m) is fusion.FusedSibling]
+        # The fused groups' products, patched apart from the model's modules.
+        self._products = [g.linear for g in fusion.groups(model) if type(g.linear) is TunedLinear]
+        self._fused_baseline = fused_baseline
         # Experts blocks `patch` switched to the grouped dispatch.
         self._experts = [b for b in experts.grouped_blocks(model)
                          if b.config._experts_implementation == experts.IMPLEMENTATION]
@@ -309,7 +315,9 @@ class _Role:
         for layer in self._layers:
             layer.__class__ = cls
         for layer in self._siblings:
-            layer.__class__ = fusion.FusedSibling if self.patched else torch.nn.Linear
+            layer.__class__ = fusion.FusedSibling if self.patched or self._fused_baseline else torch.nn.Linear
+        for layer in self._products:
+            layer.__class__ = cls
         for block in self._experts:
             experts.use(block, experts.IMPLEMENTATION if self.patched else experts.GROUPED)
 
@@ -318,10 +326,17 @@ class _Role:
         return self.model(**kwargs)
 
 
-def _roles(model: torch.nn.Module) -> dict:
-    """{variant: _Role} of a patched model."""
+def _roles(model: torch.nn.Module, fused_baseline: bool = False) -> dict:
+    """{variant: _Role} of a patched model; with `fused_baseline` the
+    unpatched variant keeps the siblings fused, on cuBLAS."""
     layers = [m for m in model.modules() if type(m) is TunedLinear]
-    return {v: _Role(model, layers, v == "patched") for v in VARIANTS}
+    return {v: _Role(model, layers, v == "patched", fused_baseline) for v in VARIANTS}
+
+
+def _fuse_plain(model: torch.nn.Module) -> None:
+    """`model`'s sibling projections fused and left on cuBLAS, as a serving
+    engine stores them: the baseline of `--fused-baseline`."""
+    fusion.fuse(model, lambda m: type(m) is torch.nn.Linear)
 
 
 def _swap(models: dict) -> None:
@@ -337,8 +352,11 @@ def _swap(models: dict) -> None:
     done, fresh = models["patched"], models["unpatched"]
     graphs = any(getattr(layer, "tuner_graphs", False) for layer in done.modules())
     pdl = any(getattr(layer, "tuner_pdl", False) for layer in done.modules())
+    fused_baseline = bool(fusion.groups(fresh))
     _patch_like(fresh, done, graphs=graphs, compiled=True, pdl=pdl, fuse=bool(fusion.groups(done)))
     unpatch(done)
+    if fused_baseline:
+        _fuse_plain(done)
     models["unpatched"], models["patched"] = done, fresh
 
 
@@ -385,6 +403,8 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     torch.manual_seed(0)
     model = build_model(name, num_layers=args.layers, device=DEVICE, dtype=torch.bfloat16)
     tuned = copy.deepcopy(model)
+    if args.fused_baseline:
+        _fuse_plain(model)
     families = [{"n": s.n, "k": s.k, "names": list(s.names)} for s in linear_shapes(model)]
     print(f"compiled {compile_choices(args.db, [(f['n'], f['k']) for f in families])} kernels", file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
@@ -401,7 +421,7 @@ def bench_model(name: str, args: argparse.Namespace, checkpoint) -> dict:
     if "eager" in args.modes and not args.graphs:
         eager = copy.deepcopy(model)
         _patch_like(eager, tuned, graphs=False, compiled=False, pdl=args.pdl, fuse=args.fuse)
-        roles = _roles(eager)
+        roles = _roles(eager, args.fused_baseline)
     patched_layers = {name: m for name, m in tuned.named_modules() if hasattr(m, "tuner_spans")}
     # A fused group's product is one linear call (named for its siblings' module) in place of theirs.
     for name, m in tuned.named_modules():
@@ -615,7 +635,8 @@ def run(args: argparse.Namespace, checkpoint) -> dict:
     dispatch.configure(args.db)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "db": os.path.basename(args.db),
               "rounds": args.rounds, "decode_rounds": args.decode_rounds, "steps": args.steps,
-              "rel_err_limit": REL_ERR_LIMIT, "pdl": args.pdl, "fuse": args.fuse, "models": []}
+              "rel_err_limit": REL_ERR_LIMIT, "pdl": args.pdl, "fuse": args.fuse,
+              "fused_baseline": args.fused_baseline, "models": []}
     import transformers
 
     record["transformers"] = transformers.__version__
@@ -673,8 +694,11 @@ def main() -> None:
                         help="Patch with the winners' pdl builds (`patch(pdl=True)`).")
     parser.add_argument("--fuse", action="store_true",
                         help="Patch with sibling projections fused (`patch(fuse=True)`).")
+    parser.add_argument("--fused-baseline", action="store_true",
+                        help="The unpatched copy fuses its siblings too, on cuBLAS (implies --fuse).")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
+    args.fuse |= args.fused_baseline
     if not args.prefill and not args.decode:
         parser.error("--prefill none and --decode none leave no case to run")
     if args.tune != "none":
@@ -690,6 +714,7 @@ def main() -> None:
     which += f"-{args.layers}layers" if args.layers != 2 else ""
     which += "-pdl" if args.pdl else ""
     which += "-fuse" if args.fuse else ""
+    which += "-fusedbase" if args.fused_baseline else ""
     path = Path(os.environ.get("OUT") or args.out) / f"{device_slug(torch.cuda.get_device_name())}-e2e{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = run(args, lambda partial: path.write_text(json.dumps(partial, indent=1) + "\n"))

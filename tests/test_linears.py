@@ -385,6 +385,53 @@ def test_the_e2e_eager_roles_run_one_model_as_each_variant_and_trade_them(monkey
     assert models["patched"] is first and first.patched
 
 
+def test_the_e2e_fused_baseline_keeps_the_unpatched_copys_siblings_fused_on_cublas(monkeypatch):
+    """`--fused-baseline`: whichever copy or role is unpatched computes each
+    sibling group as one cuBLAS product; the patched one runs that product
+    on its intervals. `_swap` twice is where it started."""
+    import copy
+    import importlib
+
+    from bench.e2e import _fuse_plain, _roles, _swap
+    from tuner.runtime import dispatch, fusion
+    from tuner import patch
+    from tuner.runtime.lookup import Span
+
+    patch_module = importlib.import_module("tuner.runtime.patch")
+    TunedLinear = patch_module.TunedLinear
+    monkeypatch.setattr(patch_module, "_eligible", lambda m: type(m) in (nn.Linear, TunedLinear))
+    monkeypatch.setattr(dispatch, "kernel_spans", lambda dev, dtype, n, k, overlap=0: ((Span(1, 64, math.inf),), None))
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(8, w, bias=False) for w in (16, 8, 8))
+
+    def state(model):
+        """(sibling classes, the group's product class or None)."""
+        [group] = fusion.groups(model) or [None]
+        return [type(m) for m in model.children()], group and type(group.linear)
+
+    net = Attn().to(torch.bfloat16)
+    base, tuned = copy.deepcopy(net), patch(copy.deepcopy(net), fuse=True)
+    _fuse_plain(base)
+    fused = [fusion.FusedSibling] * 3
+    assert state(base) == (fused, nn.Linear) and state(tuned) == (fused, TunedLinear)
+    models = {"unpatched": base, "patched": tuned}
+    _swap(models)
+    assert models["patched"] is base and state(base) == (fused, TunedLinear)
+    assert models["unpatched"] is tuned and state(tuned) == (fused, nn.Linear)
+    _swap(models)
+    assert models["patched"] is tuned and state(tuned) == (fused, TunedLinear) and state(base) == (fused, nn.Linear)
+    roles = _roles(tuned, fused_baseline=True)
+    roles["unpatched"].apply()
+    assert state(tuned) == (fused, nn.Linear)
+    roles["patched"].apply()
+    assert state(tuned) == (fused, TunedLinear)
+    _roles(tuned)["unpatched"].apply()  # the plain baseline: the siblings apart
+    assert state(tuned)[0] == [nn.Linear] * 3
+
+
 def test_patch_overhead_wraps_the_bias_free_layers_out_of_every_call_and_back():
     from bench.probes.patch_overhead import _set
     from tuner.runtime.patch import TunedLinear
