@@ -261,3 +261,22 @@ def test_a_fit_in_several_processes_is_the_fit_of_one(small_db, monkeypatch):
     three, n_three = cal.fit(data, H100, workers=3)
     assert n_one == n_three >= 120
     assert one == three and one != H100
+
+
+def test_model_bias_names_the_config_kind_a_device_prices_differently(tmp_path):
+    # The "device" is the model with one cost moved that only split-K configs
+    # pay: against the datasheet model they measure slower than predicted,
+    # the configs without a split do not.
+    from bench.probes.model_bias import errors, table
+
+    backend = ModelBackend("sm90", device=replace(H100, name=DEVICE, semaphore_us=H100.semaphore_us + 6.0))
+    store = Store(str(tmp_path / "b.db"))
+    for n, k in ((4096, 14336), (1024, 8192)):
+        for m in (1, 16):
+            tune_key(Key("sm90", DEVICE, Problem(m, n, k)), backend, store, Budget(trials=24), name=f"f{n}x{k}")
+    store.close()
+    rows = {r["group"]: r for r in table(errors([str(tmp_path / "b.db")], DEVICE, m_max=128))}
+    split = [r for g, r in rows.items() if g.startswith("split_k=") and g != "split_k=1"]
+    assert split, rows.keys()
+    assert all(r["mean"] < -0.05 for r in split), split
+    assert abs(rows["split_k=1"]["mean"]) < 0.03
