@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.probes.model_bias import errors, table
 from db.store import Store
 from kernels.space import GemmConfig
 from tuner.backends.calibration import spearman
@@ -267,8 +268,6 @@ def test_model_bias_names_the_config_kind_a_device_prices_differently(tmp_path):
     # The "device" is the model with one cost moved that only split-K configs
     # pay: against the datasheet model they measure slower than predicted,
     # the configs without a split do not.
-    from bench.probes.model_bias import errors, table
-
     backend = ModelBackend("sm90", device=replace(H100, name=DEVICE, semaphore_us=H100.semaphore_us + 6.0))
     store = Store(str(tmp_path / "b.db"))
     for n, k in ((4096, 14336), (1024, 8192)):
