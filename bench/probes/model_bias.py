@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from db.store import Store
+from db.store import Store, StoreError
 from tuner.backends.calibration import MIN_CONFIGS, devices, predictions, samples
 from tuner.backends.model import device_model
 
@@ -91,7 +91,15 @@ def main() -> None:
     parser.add_argument("--m-max", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = table(errors(args.db, args.device, args.m_max))
+    try:
+        groups = errors(args.db, args.device, args.m_max)
+    except StoreError as exc:
+        parser.error(str(exc))
+    if not groups:
+        parser.error(f"no key with {MIN_CONFIGS} or more measured configs"
+                     + (f" of device {args.device!r}" if args.device else "")
+                     + (f" at M <= {args.m_max}" if args.m_max is not None else "") + " in the databases given")
+    rows = table(groups)
     if args.json:
         print(json.dumps({"dbs": args.db, "device": args.device, "m_max": args.m_max, "groups": rows}))
         return
